@@ -1,0 +1,2 @@
+// Stand-in: nccl.h includes this, but its host API uses no half types.
+#pragma once

@@ -1,0 +1,153 @@
+#include "comms.h"
+
+#include <sched.h>
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+namespace jaxdist {
+namespace {
+
+std::atomic<int64_t> timeout_ms{300000};
+std::atomic<int64_t> debug_delay_us{0};
+
+std::mutex registry_mutex;
+std::map<int64_t, std::map<int, std::unique_ptr<Comm>>> registry;
+
+}  // namespace
+
+void SetTimeoutMs(int64_t ms) { timeout_ms = ms; }
+int64_t TimeoutMs() { return timeout_ms; }
+void SetDebugDelayUs(int64_t us) { debug_delay_us = us; }
+int64_t DebugDelayUs() { return debug_delay_us; }
+
+const char* OpName(OpKind kind) {
+  switch (kind) {
+    case OpKind::kAllReduce: return "all_reduce";
+    case OpKind::kAllGather: return "all_gather";
+    case OpKind::kReduceScatter: return "reduce_scatter";
+    case OpKind::kSendRecv: return "sendrecv";
+  }
+  return "unknown";
+}
+
+std::string Describe(const NcclApi& nccl, const Comm& comm, const char* op, ncclResult_t r, const std::string& extra) {
+  std::string msg = std::string("jaxdist nccl ") + op + " on axis '" + comm.axis + "' (rank " +
+                    std::to_string(comm.rank) + " of " + std::to_string(comm.nranks) + ", device " +
+                    std::to_string(comm.device) + "): ";
+  msg += extra.empty() ? nccl.GetErrorString(r) : extra;
+  const char* last = comm.comm ? nccl.GetLastError(comm.comm) : nccl.GetLastError(nullptr);
+  if (last != nullptr && last[0] != '\0') msg += std::string(" (NCCL: ") + last + ")";
+  return msg;
+}
+
+static std::string AbortWith(const NcclApi& nccl, Comm& comm, std::string msg) {
+  if (!comm.aborted && comm.comm != nullptr) nccl.CommAbort(comm.comm);
+  comm.aborted = true;
+  comm.failure = msg + "; the communicator was aborted";
+  return comm.failure;
+}
+
+std::string Poll(const NcclApi& nccl, Comm& comm, const char* op, ncclResult_t issued) {
+  if (issued != ncclSuccess && issued != ncclInProgress) {
+    return AbortWith(nccl, comm, Describe(nccl, comm, op, issued));
+  }
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  const auto deadline = start + std::chrono::milliseconds(TimeoutMs());
+  // Spin first (a healthy enqueue finishes in microseconds), then yield,
+  // then sleep: cheap when fast, no CPU burnt when slow.
+  for (int64_t iter = 0;; ++iter) {
+    ncclResult_t state = ncclInProgress;
+    ncclResult_t r = nccl.CommGetAsyncError(comm.comm, &state);
+    if (r != ncclSuccess) return AbortWith(nccl, comm, Describe(nccl, comm, op, r));
+    if (state == ncclSuccess) return "";
+    if (state != ncclInProgress) return AbortWith(nccl, comm, Describe(nccl, comm, op, state));
+    if (Clock::now() > deadline) {
+      return AbortWith(nccl, comm,
+                       Describe(nccl, comm, op, ncclInProgress,
+                                "still in progress after the " + std::to_string(TimeoutMs()) +
+                                    " ms deadline (set JAXDIST_NCCL_TIMEOUT_S to change it)"));
+    }
+    if (iter < 256) continue;
+    if (iter < 1024) {
+      sched_yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(iter < 4096 ? 10 : 200));
+    }
+  }
+}
+
+std::string EnsureReady(const NcclApi& nccl, Comm& comm, const char* op) {
+  if (comm.aborted) return comm.failure;
+  if (comm.ready) return "";
+  std::string err = Poll(nccl, comm, op, ncclInProgress);
+  if (err.empty()) comm.ready = true;
+  return err;
+}
+
+std::string Issue(const NcclApi& nccl, Comm& comm, const OpDesc& op, cudaStream_t stream) {
+  const char* name = OpName(op.kind);
+  std::string err = EnsureReady(nccl, comm, name);
+  if (!err.empty()) return err;
+  ncclResult_t r = nccl.GroupStart();
+  if (r != ncclSuccess) return AbortWith(nccl, comm, Describe(nccl, comm, name, r));
+  ncclResult_t call = ncclSuccess;
+  auto track = [&call](ncclResult_t x) {
+    if (call == ncclSuccess || call == ncclInProgress) call = x;
+  };
+  switch (op.kind) {
+    case OpKind::kAllReduce:
+      track(nccl.AllReduce(op.send, op.recv, op.count, op.dtype, op.redop, comm.comm, stream));
+      break;
+    case OpKind::kAllGather:
+      track(nccl.AllGather(op.send, op.recv, op.count, op.dtype, comm.comm, stream));
+      break;
+    case OpKind::kReduceScatter:
+      track(nccl.ReduceScatter(op.send, op.recv, op.count, op.dtype, op.redop, comm.comm, stream));
+      break;
+    case OpKind::kSendRecv:
+      // Even a lone send or recv goes inside the group (seed 003).
+      if (op.send_peer >= 0) track(nccl.Send(op.send, op.count, op.dtype, op.send_peer, comm.comm, stream));
+      if (op.recv_peer >= 0) track(nccl.Recv(op.recv, op.count, op.dtype, op.recv_peer, comm.comm, stream));
+      break;
+  }
+  // The group is always closed, also after a failed call, so NCCL's group state stays balanced.
+  r = nccl.GroupEnd();
+  if (call != ncclSuccess && call != ncclInProgress) return AbortWith(nccl, comm, Describe(nccl, comm, name, call));
+  return Poll(nccl, comm, name, r);
+}
+
+Comm* FindComm(int64_t key, int device) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry.find(key);
+  if (it == registry.end()) return nullptr;
+  auto jt = it->second.find(device);
+  return jt == it->second.end() ? nullptr : jt->second.get();
+}
+
+Comm* AddComm(int64_t key, int device) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto& slot = registry[key][device];
+  slot = std::make_unique<Comm>();
+  slot->device = device;
+  return slot.get();
+}
+
+void ForEachComm(int64_t key, void (*fn)(Comm&, void*), void* arg) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry.find(key);
+  if (it == registry.end()) return;
+  for (auto& [device, comm] : it->second) fn(*comm, arg);
+}
+
+void RemoveComms(int64_t key) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry.erase(key);
+}
+
+}  // namespace jaxdist

@@ -1,0 +1,69 @@
+// Communicators, and the one protocol every NCCL call follows: issue inside
+// a group, then poll ncclCommGetAsyncError until the communicator leaves
+// ncclInProgress, with a deadline. A handler returns (or records an event)
+// only after that, so with non-blocking communicators no kernel can be
+// missing from the stream when the event is recorded (seed 003).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "dynload.h"
+
+namespace jaxdist {
+
+struct Comm {
+  ncclComm_t comm = nullptr;
+  int rank = 0;
+  int nranks = 1;
+  int device = -1;
+  bool blocking = true;
+  bool ready = false;    // non-blocking init finished
+  bool aborted = false;
+  std::string axis;
+  std::string failure;   // set once aborted; every later use reports it
+};
+
+// Deadline for one poll loop, and the injected delay before each NCCL op.
+void SetTimeoutMs(int64_t ms);
+int64_t TimeoutMs();
+void SetDebugDelayUs(int64_t us);
+int64_t DebugDelayUs();
+
+// Polls until `comm` leaves ncclInProgress. On an error or a passed deadline
+// the communicator is aborted and the returned message (empty on success)
+// names the op, the axis, the rank and NCCL's own words.
+std::string Poll(const NcclApi& nccl, Comm& comm, const char* op, ncclResult_t issued);
+
+// The message for a failed call, without polling.
+std::string Describe(const NcclApi& nccl, const Comm& comm, const char* op, ncclResult_t r, const std::string& extra = "");
+
+// Waits for a non-blocking init to finish (first use of the communicator).
+std::string EnsureReady(const NcclApi& nccl, Comm& comm, const char* op);
+
+enum class OpKind { kAllReduce = 0, kAllGather = 1, kReduceScatter = 2, kSendRecv = 3 };
+
+struct OpDesc {
+  OpKind kind;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  size_t count = 0;  // elements sent per rank (all_gather/sendrecv) or reduced (all_reduce); per-rank result for reduce_scatter
+  ncclDataType_t dtype = ncclFloat32;
+  ncclRedOp_t redop = ncclSum;
+  int send_peer = -1;  // sendrecv: rank to send to, or -1
+  int recv_peer = -1;  // sendrecv: rank to receive from, or -1
+};
+
+const char* OpName(OpKind kind);
+
+// Issues one op on `stream`: group start, the NCCL call(s), group end, poll.
+std::string Issue(const NcclApi& nccl, Comm& comm, const OpDesc& op, cudaStream_t stream);
+
+// Registry of communicators: one per (key, local device). A key names one
+// mesh axis of one mesh; each device holds the communicator of its group.
+Comm* FindComm(int64_t key, int device);
+Comm* AddComm(int64_t key, int device);
+void ForEachComm(int64_t key, void (*fn)(Comm&, void*), void* arg);
+void RemoveComms(int64_t key);
+
+}  // namespace jaxdist

@@ -1,0 +1,38 @@
+"""Collectives with explicit ordering tokens, for use inside `jax.shard_map`.
+
+Every op takes a token and returns `(result, new_token)`; ops threaded through
+one token chain run in chain order. Async forms (`*_start`) return a handle
+that only `wait` turns into a value. Two backends share one signature:
+`"xla"` (jax.lax collectives, the default) and `"nccl"` (XLA FFI ops on GPU).
+"""
+
+from jaxdist.comm._backend import default_backend, set_default_backend
+from jaxdist.comm._ops import (
+    all_gather,
+    all_gather_start,
+    all_reduce,
+    all_reduce_start,
+    reduce_scatter,
+    reduce_scatter_start,
+    sendrecv,
+    sendrecv_start,
+    wait,
+)
+from jaxdist.comm._types import Handle, Token, token
+
+__all__ = [
+    "Handle",
+    "Token",
+    "all_gather",
+    "all_gather_start",
+    "all_reduce",
+    "all_reduce_start",
+    "default_backend",
+    "reduce_scatter",
+    "reduce_scatter_start",
+    "sendrecv",
+    "sendrecv_start",
+    "set_default_backend",
+    "token",
+    "wait",
+]

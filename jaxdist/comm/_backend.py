@@ -1,0 +1,91 @@
+"""The backend interface and the process-wide default backend.
+
+A backend turns one validated collective into array ops. Both backends take
+the same arguments and give the same results; the public functions in
+`jaxdist.comm` do the checking and the token sequencing once for both.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BACKEND_ENV = "JAXDIST_COMM_BACKEND"
+BACKEND_NAMES = ("xla", "nccl")
+
+
+class Backend:
+    """Base class: the four collectives and how an async pair is split."""
+
+    name: str = ""
+    dtypes: tuple[Any, ...] = ()
+
+    def all_gather(self, x, axis_name, *, axis: int, tiled: bool, size: int): ...
+    def reduce_scatter(self, x, axis_name, *, op: str, scatter_axis: int, size: int): ...
+    def all_reduce(self, x, axis_name, *, op: str, size: int): ...
+    def sendrecv(self, x, axis_name, *, perm: tuple, size: int): ...
+
+    def start(self, kind: str, x, axis_name, params: dict) -> tuple:
+        """Begin `kind`; return the buffers that must stay alive until `finish`."""
+        return (getattr(self, kind)(x, axis_name, **params),)
+
+    def finish(self, kind: str, buffers: tuple, axis_name, params: dict):
+        """End the op begun by `start`; return its result."""
+        return buffers[0]
+
+
+def floating_and_int_dtypes() -> tuple[Any, ...]:
+    return (
+        jnp.float32,
+        jnp.bfloat16,
+        jnp.float16,
+        jnp.float64,
+        jnp.int8,
+        jnp.uint8,
+        jnp.int32,
+        jnp.uint32,
+        jnp.int64,
+        jnp.uint64,
+    )
+
+
+def scale_mean(total: jax.Array, size: int) -> jax.Array:
+    """Divide a sum by the rank count in its own dtype (mean for floats only)."""
+    return (total / np.asarray(size, dtype=total.dtype)).astype(total.dtype)
+
+
+_default: str | None = None
+
+
+def set_default_backend(name: str) -> None:
+    """Set the backend used by every comm op that is not given `backend=`."""
+    global _default
+    _check_name(name)
+    _default = name
+
+
+def default_backend() -> str:
+    """The process-wide default: set_default_backend(), else $JAXDIST_COMM_BACKEND, else 'xla'."""
+    name = _default or os.environ.get(BACKEND_ENV, "xla")
+    return _check_name(name)
+
+
+def _check_name(name: str) -> str:
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown comm backend {name!r}; choose one of {BACKEND_NAMES}")
+    return name
+
+
+def get_backend(name: str | None) -> Backend:
+    name = _check_name(name) if name is not None else default_backend()
+    if name == "xla":
+        from jaxdist.comm.xla import XLA_BACKEND
+
+        return XLA_BACKEND
+    from jaxdist.comm.nccl import nccl_backend
+
+    return nccl_backend()

@@ -1,0 +1,140 @@
+"""The public collectives: checks, token sequencing, then the backend.
+
+Sequencing is data flow. An op's input passes through an optimization barrier
+together with the incoming token, so the op cannot begin before everything
+earlier on the chain; its result passes through another barrier with the token,
+so everything later on the chain waits for it. An async start returns the token
+straight after issuing, which is what lets later compute overlap it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jaxdist.comm import _checks as checks
+from jaxdist.comm._backend import Backend, get_backend
+from jaxdist.comm._sequence import sequence
+from jaxdist.comm._types import Handle, Token
+
+_REDUCE_OPS = {"all_reduce": ("sum", "mean", "max", "min"), "reduce_scatter": ("sum", "mean")}
+
+
+def _sequenced(value, tok: Token):
+    """Tie `value` (an array or tuple of arrays) to the token: neither is available before both are."""
+    is_tuple = isinstance(value, tuple)
+    values, t = sequence(value if is_tuple else (value,), tok.value)
+    return (values if is_tuple else values[0]), Token(t, tok.chain)
+
+
+def _prepare(kind: str, x, axis_name, tok, backend: str | None, **params) -> tuple[Backend, dict]:
+    """Check every argument of op `kind` and return its backend and normalized params."""
+    checks.check_token(tok, kind)
+    x = checks.check_array(x, kind)
+    be = get_backend(backend)
+    size = checks.axis_size(axis_name)
+    reduce_op = params.get("op")
+    if reduce_op is not None:
+        checks.check_reduce_op(reduce_op, _REDUCE_OPS[kind], kind)
+    checks.check_dtype(x.dtype, reduce_op, be.dtypes, be.name, kind)
+    if kind == "all_gather":
+        if not isinstance(params["tiled"], bool):
+            raise TypeError(f"all_gather: tiled must be a bool, got {params['tiled']!r}")
+        # untiled gather inserts a new dimension, so one more position is valid
+        rank = x.ndim if params["tiled"] else x.ndim + 1
+        params["axis"] = checks.check_dim(params["axis"], max(rank, 1), kind, "axis")
+        if params["tiled"] and x.ndim == 0:
+            raise ValueError("all_gather: a tiled gather needs an array of rank >= 1; pass tiled=False for scalars")
+    elif kind == "reduce_scatter":
+        if x.ndim == 0:
+            raise ValueError("reduce_scatter: needs an array of rank >= 1")
+        dim = checks.check_dim(params["scatter_axis"], x.ndim, kind, "scatter_axis")
+        checks.check_divisible(x.shape, dim, size, kind, axis_name)
+        params["scatter_axis"] = dim
+    elif kind == "sendrecv":
+        params["perm"] = checks.check_perm(params["perm"], size, axis_name)
+    params["size"] = size
+    return be, params
+
+
+def _run(kind, x, axis_name, tok, backend, **params):
+    be, params = _prepare(kind, x, axis_name, tok, backend, **params)
+    x, tok = _sequenced(x, tok)
+    result = getattr(be, kind)(x, axis_name, **params)
+    return _sequenced(result, tok)
+
+
+def _start(kind, x, axis_name, tok, backend, **params):
+    be, params = _prepare(kind, x, axis_name, tok, backend, **params)
+    x, tok = _sequenced(x, tok)
+    buffers = be.start(kind, x, axis_name, params)  # may add what its finish needs to params
+    frozen = tuple(sorted({**params, "axis_name": axis_name}.items()))
+    return Handle(buffers, kind, tok.chain, be.name, frozen), tok
+
+
+def all_gather(x, axis_name, token: Token, *, axis: int = 0, tiled: bool = True, backend: str | None = None):
+    """Gather `x` from every rank of `axis_name`; returns `(result, token)`.
+
+    With `tiled=True` the shards are concatenated along `axis`; otherwise they
+    are stacked along a new dimension at `axis`.
+    """
+    return _run("all_gather", x, axis_name, token, backend, axis=axis, tiled=tiled)
+
+
+def reduce_scatter(x, axis_name, token: Token, *, op: str = "sum", scatter_axis: int = 0, backend: str | None = None):
+    """Reduce `x` over `axis_name` and keep this rank's slice of `scatter_axis`.
+
+    `op` is "sum" or "mean"; returns `(result, token)`.
+    """
+    return _run("reduce_scatter", x, axis_name, token, backend, op=op, scatter_axis=scatter_axis)
+
+
+def all_reduce(x, axis_name, token: Token, *, op: str = "sum", backend: str | None = None):
+    """Reduce `x` over `axis_name` with "sum", "mean", "max" or "min"; returns `(result, token)`."""
+    return _run("all_reduce", x, axis_name, token, backend, op=op)
+
+
+def sendrecv(x, axis_name, token: Token, *, perm: Sequence[tuple[int, int]], backend: str | None = None):
+    """Send `x` along the `(src, dst)` pairs of `perm`, like `lax.ppermute`.
+
+    A rank that receives nothing gets zeros; a rank may only send, only
+    receive, or both. Returns `(result, token)`.
+    """
+    return _run("sendrecv", x, axis_name, token, backend, perm=perm)
+
+
+def all_gather_start(x, axis_name, token: Token, *, axis: int = 0, tiled: bool = True, backend: str | None = None):
+    """Begin an `all_gather`; returns `(handle, token)`. Finish it with `wait`."""
+    return _start("all_gather", x, axis_name, token, backend, axis=axis, tiled=tiled)
+
+
+def reduce_scatter_start(
+    x, axis_name, token: Token, *, op: str = "sum", scatter_axis: int = 0, backend: str | None = None
+):
+    """Begin a `reduce_scatter`; returns `(handle, token)`. Finish it with `wait`."""
+    return _start("reduce_scatter", x, axis_name, token, backend, op=op, scatter_axis=scatter_axis)
+
+
+def all_reduce_start(x, axis_name, token: Token, *, op: str = "sum", backend: str | None = None):
+    """Begin an `all_reduce`; returns `(handle, token)`. Finish it with `wait`."""
+    return _start("all_reduce", x, axis_name, token, backend, op=op)
+
+
+def sendrecv_start(x, axis_name, token: Token, *, perm: Sequence[tuple[int, int]], backend: str | None = None):
+    """Begin a `sendrecv`; returns `(handle, token)`. Finish it with `wait`."""
+    return _start("sendrecv", x, axis_name, token, backend, perm=perm)
+
+
+def wait(handle: Handle, token: Token):
+    """Finish the async op behind `handle`; returns `(result, token)`.
+
+    The token must be of the chain the op was started on, and each handle is
+    waited once.
+    """
+    checks.check_token(token, "wait")
+    checks.check_handle(handle, token)
+    handle._waited = True
+    params = dict(handle._params)
+    axis_name = params.pop("axis_name")
+    buffers, token = _sequenced(handle._buffers, token)
+    result = get_backend(handle._backend).finish(handle.op, buffers, axis_name, params)
+    return _sequenced(result, token)

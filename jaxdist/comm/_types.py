@@ -1,0 +1,92 @@
+"""Ordering tokens and async handles: the two values that sequence communication.
+
+A `Token` is a tiny uint8 array (not XLA's token type, which breaks inside
+`shard_map` + `scan` on jax 0.10) plus a static chain name. Every op takes a
+token and returns a new one; ops threaded through one chain run in chain order.
+A `Handle` holds the buffers an async op is communicating; only `wait` turns
+it into a usable value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_CHAIN = "default"
+
+
+@jax.tree_util.register_pytree_node_class
+class Token:
+    """An ordering token: one uint8 scalar and the name of its chain.
+
+    The chain name is static (part of the pytree structure), so a token keeps
+    the same type through `jit`, `scan` and `fori_loop` carries, and `wait`
+    can tell a handle's chain from another one.
+    """
+
+    __slots__ = ("value", "chain")
+
+    def __init__(self, value: Any, chain: str = DEFAULT_CHAIN):
+        self.value = value
+        self.chain = chain
+
+    def tree_flatten(self):
+        return (self.value,), self.chain
+
+    @classmethod
+    def tree_unflatten(cls, chain, children):
+        return cls(children[0], chain)
+
+    def __repr__(self) -> str:
+        return f"Token(chain={self.chain!r})"
+
+
+@jax.tree_util.register_pytree_node_class
+class Handle:
+    """The in-flight state of one async op, returned by a `*_start` function.
+
+    It holds the buffers being communicated (so they stay alive until `wait`)
+    and what `wait` needs to finish the op. It has no public accessor for the
+    result: `wait(handle, token)` is the only way to get it.
+    """
+
+    __slots__ = ("_buffers", "_op", "_chain", "_backend", "_params", "_waited")
+
+    def __init__(self, buffers: tuple, op: str, chain: str, backend: str, params: tuple):
+        self._buffers = tuple(buffers)
+        self._op = op
+        self._chain = chain
+        self._backend = backend
+        self._params = params  # hashable (name, value) pairs the backend needs to finish
+        self._waited = False
+
+    @property
+    def op(self) -> str:
+        return self._op
+
+    @property
+    def chain(self) -> str:
+        return self._chain
+
+    def tree_flatten(self):
+        return self._buffers, (self._op, self._chain, self._backend, self._params)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(tuple(children), *aux)
+
+    def __repr__(self) -> str:
+        return f"Handle(op={self._op!r}, chain={self._chain!r}, backend={self._backend!r})"
+
+
+def token(chain: str = DEFAULT_CHAIN) -> Token:
+    """Return a fresh ordering token on chain `chain`.
+
+    Sequencing never changes a token's type, so it can be carried through
+    `scan`/`fori_loop` and returned from `shard_map` with `out_specs=P()`.
+    """
+    if not isinstance(chain, str) or not chain:
+        raise TypeError(f"token(chain=...) takes a non-empty string, got {chain!r}")
+    return Token(jnp.zeros((), jnp.uint8), chain)

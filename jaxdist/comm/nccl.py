@@ -1,0 +1,300 @@
+"""The `nccl` backend: jaxdist.comm ops as XLA FFI calls into NCCL (GPU only).
+
+Communicators are jaxdist's own, one per mesh axis and local device, created by
+`init(mesh)`. Unique ids reach other processes through `jax.distributed`'s
+key-value store. Non-blocking communicators (`blocking=False`) return from
+`init` at once and let model setup overlap NCCL's setup; their first use waits.
+
+Environment:
+  JAXDIST_NCCL_LIBRARY         libnccl.so.2 to load (default: the nvidia.nccl wheel's,
+                               the one JAX's CUDA plugin uses)
+  JAXDIST_NCCL_TIMEOUT_S       deadline for any NCCL call to leave ncclInProgress (300)
+  JAXDIST_NCCL_DEBUG_DELAY_US  sleep this long on the stream before every NCCL op (race tests)
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import functools
+import importlib.util
+import itertools
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxdist import _native
+from jaxdist.comm._backend import Backend, floating_and_int_dtypes
+
+NCCL_LIBRARY_ENV = "JAXDIST_NCCL_LIBRARY"
+TIMEOUT_ENV = "JAXDIST_NCCL_TIMEOUT_S"
+DELAY_ENV = "JAXDIST_NCCL_DEBUG_DELAY_US"
+
+_KIND = {"all_reduce": 0, "all_gather": 1, "reduce_scatter": 2, "sendrecv": 3}
+_REDOP = {"sum": 0, "mean": 1, "max": 2, "min": 3}
+_TARGETS = ("jaxdist_nccl_collective", "jaxdist_nccl_start", "jaxdist_nccl_wait", "jaxdist_memcpy")
+
+
+def nccl_library_path() -> Path:
+    """The libnccl.so.2 to use: $JAXDIST_NCCL_LIBRARY, else the nvidia.nccl wheel's."""
+    if os.environ.get(NCCL_LIBRARY_ENV):
+        return Path(os.environ[NCCL_LIBRARY_ENV])
+    spec = importlib.util.find_spec("nvidia.nccl") if importlib.util.find_spec("nvidia") else None
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(root) / "lib" / "libnccl.so.2"
+        if candidate.is_file():
+            return candidate
+    raise _native.NativeLibraryError(
+        "no libnccl.so.2 found: install jaxdist[cuda12] or jaxdist[cuda13] (the nvidia-nccl wheel JAX uses), "
+        f"or set ${NCCL_LIBRARY_ENV} to its path"
+    )
+
+
+@functools.cache
+def load() -> ctypes.CDLL:
+    """Load NCCL into jaxdist's FFI library and register the FFI targets (once)."""
+    lib = _native.ffi_library()
+    path = nccl_library_path()
+    try:
+        _native.call("jaxdist_nccl_load", str(path).encode())
+    except RuntimeError as e:
+        raise _native.NativeLibraryError(str(e)) from None
+    lib.jaxdist_set_timeout_ms(int(float(os.environ.get(TIMEOUT_ENV, "300")) * 1000))
+    lib.jaxdist_set_debug_delay_us(int(os.environ.get(DELAY_ENV, "0")))
+    for name in _TARGETS:
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="CUDA")
+    return lib
+
+
+def set_timeout(seconds: float) -> None:
+    """Deadline for every NCCL call to finish its enqueue (default 300 s)."""
+    load().jaxdist_set_timeout_ms(int(seconds * 1000))
+
+
+def set_debug_delay(microseconds: int) -> None:
+    """Sleep this long on the stream before every NCCL op: for race tests only."""
+    load().jaxdist_set_debug_delay_us(int(microseconds))
+
+
+# -- communicators -------------------------------------------------------------
+
+_keys = itertools.count(1)
+_registry: dict[tuple, int] = {}  # (axis names, axis sizes, group axes) -> communicator key
+
+
+def _mesh_key(axis_names, axis_sizes, group: tuple[str, ...]) -> tuple:
+    return (tuple(axis_names), tuple(int(s) for s in axis_sizes), group)
+
+
+def _groups(mesh: Mesh, group: tuple[str, ...]) -> np.ndarray:
+    """Devices as rows of one communicator each; a device's column is its rank."""
+    names = list(mesh.axis_names)
+    order = [names.index(a) for a in names if a not in group] + [names.index(a) for a in group]
+    size = int(np.prod([mesh.shape[a] for a in group]))
+    return np.transpose(mesh.devices, order).reshape(-1, size)
+
+
+def _unique_ids(rows: np.ndarray, tag: str) -> list[bytes]:
+    """One NCCL unique id per group, made by the process holding its rank 0 and
+    shared through jax.distributed's key-value store."""
+    lib = load()
+    nbytes = lib.jaxdist_unique_id_bytes()
+    client = None
+    if jax.process_count() > 1:
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        if client is None:
+            raise RuntimeError("multi-process nccl init needs jax.distributed.initialize() first")
+    ids = []
+    for i, row in enumerate(rows):
+        key = f"jaxdist/nccl/{tag}/{i}"
+        if row[0].process_index == jax.process_index():
+            buf = ctypes.create_string_buffer(nbytes)
+            _native.call("jaxdist_nccl_unique_id", buf)
+            ids.append(buf.raw)
+            if client is not None:
+                client.key_value_set(key, buf.raw.hex())
+        elif any(d.process_index == jax.process_index() for d in row):
+            ids.append(bytes.fromhex(client.blocking_key_value_get(key, int(_timeout_s() * 1000))))
+        else:
+            ids.append(b"")
+    return ids
+
+
+def _timeout_s() -> float:
+    return float(os.environ.get(TIMEOUT_ENV, "300"))
+
+
+def init(mesh: Mesh, axes=None, *, blocking: bool = True) -> None:
+    """Create jaxdist's NCCL communicators for `mesh`.
+
+    One communicator per group of each axis in `axes` (default: every mesh
+    axis); an entry may be a tuple of axes, for collectives over several at
+    once. With `blocking=False` this returns while NCCL still initializes;
+    the first op waits for it (or call `wait_ready`).
+    """
+    if not any(d.platform == "gpu" or d.platform == "cuda" for d in mesh.devices.flat):
+        raise RuntimeError("the nccl backend needs a mesh of CUDA GPUs; use backend='xla' on other platforms")
+    lib = load()
+    groups = [(a,) if isinstance(a, str) else tuple(a) for a in (axes or mesh.axis_names)]
+    for group in groups:
+        k = _mesh_key(mesh.axis_names, mesh.devices.shape, group)
+        if k in _registry:
+            continue
+        key = next(_keys)
+        rows = _groups(mesh, group)
+        ids = _unique_ids(rows, f"{key}")
+        local = [
+            (ids[r], rows.shape[1], c, d.local_hardware_id)
+            for r, row in enumerate(rows)
+            for c, d in enumerate(row)
+            if d.process_index == jax.process_index()
+        ]
+        n = len(local)
+        ints = lambda xs: (ctypes.c_int * len(xs))(*xs)  # noqa: E731
+        _native.call(
+            "jaxdist_comm_init",
+            key,
+            n,
+            b"".join(x[0] for x in local),
+            ints([x[1] for x in local]),
+            ints([x[2] for x in local]),
+            ints([x[3] for x in local]),
+            int(blocking),
+            "+".join(group).encode(),
+        )
+        _registry[k] = key
+    del lib
+
+
+def wait_ready() -> None:
+    """Block until every communicator finished initializing."""
+    for key in _registry.values():
+        _native.call("jaxdist_comm_wait_ready", key)
+
+
+def shutdown() -> None:
+    """Finalize and destroy every communicator (also run at interpreter exit)."""
+    while _registry:
+        _, key = _registry.popitem()
+        try:
+            _native.call("jaxdist_comm_destroy", key)
+        except RuntimeError as e:  # at exit there is no one left to raise to
+            print(f"jaxdist: {e}")
+
+
+atexit.register(shutdown)
+
+
+def _comm_key(axis_name) -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    group = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    k = _mesh_key(mesh.axis_names, mesh.axis_sizes, group)
+    if k not in _registry:
+        raise RuntimeError(
+            f"no NCCL communicator for axis {axis_name!r} of a mesh {dict(zip(k[0], k[1], strict=True))}; "
+            "call jaxdist.comm.nccl.init(mesh) before tracing code that uses backend='nccl'"
+        )
+    return _registry[k]
+
+
+# -- the backend ---------------------------------------------------------------
+
+_op_ids = itertools.count(1)
+_NO_PERM = np.zeros((0,), np.int64)
+
+
+class NcclBackend(Backend):
+    name = "nccl"
+    dtypes = floating_and_int_dtypes()
+
+    def _call(self, target, outs, *args, aliases=None, **attrs):
+        return jax.ffi.ffi_call(target, outs, has_side_effect=True, input_output_aliases=aliases or {})(*args, **attrs)
+
+    def _attrs(self, kind, axis_name, op="sum", perm=()):
+        src = np.asarray([s for s, _ in perm], np.int64) if perm else _NO_PERM
+        dst = np.asarray([d for _, d in perm], np.int64) if perm else _NO_PERM
+        return dict(comm_key=_comm_key(axis_name), kind=_KIND[kind], redop=_REDOP[op], perm_src=src, perm_dst=dst)
+
+    @staticmethod
+    def _layout(kind, x, params):
+        """NCCL works on the leading dimension: move the op's dimension there, and say the result shape."""
+        size = params["size"]
+        if kind == "all_gather":
+            if params["tiled"]:
+                xt = jnp.moveaxis(x, params["axis"], 0)
+                return xt, (size * xt.shape[0], *xt.shape[1:])
+            return x, (size, *x.shape)
+        if kind == "reduce_scatter":
+            xt = jnp.moveaxis(x, params["scatter_axis"], 0)
+            return xt, (xt.shape[0] // size, *xt.shape[1:])
+        return x, x.shape
+
+    @staticmethod
+    def _unlayout(kind, y, params):
+        if kind == "all_gather":
+            return jnp.moveaxis(y, 0, params["axis"])
+        if kind == "reduce_scatter":
+            return jnp.moveaxis(y, 0, params["scatter_axis"])
+        return y
+
+    def _op_attrs(self, kind, axis_name, params):
+        return self._attrs(kind, axis_name, params.get("op", "sum"), params.get("perm", ()))
+
+    def _sync(self, kind, x, axis_name, params):
+        xt, shape = self._layout(kind, x, params)
+        out = jax.ShapeDtypeStruct(shape, x.dtype)
+        y = self._call("jaxdist_nccl_collective", out, xt, **self._op_attrs(kind, axis_name, params))
+        return self._unlayout(kind, y, params)
+
+    def all_gather(self, x, axis_name, **params):
+        return self._sync("all_gather", x, axis_name, params)
+
+    def reduce_scatter(self, x, axis_name, **params):
+        return self._sync("reduce_scatter", x, axis_name, params)
+
+    def all_reduce(self, x, axis_name, **params):
+        return self._sync("all_reduce", x, axis_name, params)
+
+    def sendrecv(self, x, axis_name, **params):
+        return self._sync("sendrecv", x, axis_name, params)
+
+    def start(self, kind, x, axis_name, params):
+        xt, shape = self._layout(kind, x, params)
+        params["op_id"] = next(_op_ids)
+        outs = (jax.ShapeDtypeStruct(xt.shape, xt.dtype), jax.ShapeDtypeStruct(shape, x.dtype))
+        # Result 0 aliases the input: XLA keeps the input alive until wait.
+        return tuple(
+            self._call(
+                "jaxdist_nccl_start",
+                outs,
+                xt,
+                aliases={0: 0},
+                op_id=params["op_id"],
+                **self._op_attrs(kind, axis_name, params),
+            )
+        )
+
+    def finish(self, kind, buffers, axis_name, params):
+        x_alias, y = buffers
+        out = jax.ShapeDtypeStruct(y.shape, y.dtype)
+        y = self._call("jaxdist_nccl_wait", out, x_alias, y, aliases={1: 0}, op_id=params["op_id"])
+        return self._unlayout(kind, y, params)
+
+
+@functools.cache
+def nccl_backend() -> NcclBackend:
+    """The nccl backend; raises a clear error where it cannot work."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        raise RuntimeError("the 'nccl' comm backend needs CUDA GPUs and none are visible; use backend='xla'")
+    load()
+    return NcclBackend()

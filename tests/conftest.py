@@ -1,0 +1,30 @@
+"""Test setup: 8 simulated CPU devices, and the GPU markers.
+
+XLA reads XLA_FLAGS when its CPU client starts, so this runs before jax is
+imported by any test module.
+"""
+
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if _FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def _gpu_count() -> int:
+    try:
+        return len(jax.devices("gpu"))
+    except RuntimeError:
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    gpus = _gpu_count()
+    for item in items:
+        if "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs 2+ GPUs, found {gpus}"))
+        elif "gpu" in item.keywords and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a GPU"))

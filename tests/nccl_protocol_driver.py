@@ -1,0 +1,104 @@
+"""Runs jaxdist's NCCL call protocol against the recording test-double libnccl.
+
+Run as a subprocess (a process can load only one libnccl): prints one JSON
+object with, per scenario, the fake's call log, the error text (if any), the
+seconds taken and the number of aborts.
+"""
+
+import ctypes
+import json
+import sys
+import time
+
+from jaxdist import _native
+
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, SENDRECV = 0, 1, 2, 3
+NCCL_INTERNAL_ERROR = 3
+
+
+def main() -> None:
+    fake_path = sys.argv[1]
+    fake = ctypes.CDLL(fake_path)
+    fake.fake_nccl_log.restype = ctypes.c_char_p
+    lib = _native.ffi_library()
+    _native.call("jaxdist_nccl_load", fake_path.encode())
+    results = {}
+
+    def scenario(name, fn, *, in_progress=0, fail=None, timeout_ms=300000):
+        fake.fake_nccl_reset()
+        lib.jaxdist_set_timeout_ms(timeout_ms)
+        fake.fake_nccl_set_in_progress(in_progress)
+        if fail:
+            fake.fake_nccl_fail_next(fail[0].encode(), fail[1], fail[2].encode())
+        t0 = time.perf_counter()
+        try:
+            fn()
+            err = None
+        except RuntimeError as e:
+            err = str(e)
+        results[name] = dict(
+            log=fake.fake_nccl_log().decode().splitlines(),
+            error=err,
+            seconds=time.perf_counter() - t0,
+            aborts=fake.fake_nccl_aborts(),
+        )
+
+    ids = (b"\x07" * lib.jaxdist_unique_id_bytes()) * 2
+    ints = lambda *xs: (ctypes.c_int * len(xs))(*xs)  # noqa: E731
+    keys = iter(range(100, 200))
+
+    def init(key, blocking, n=1):
+        _native.call(
+            "jaxdist_comm_init",
+            key,
+            n,
+            ids[: 128 * n],
+            ints(*[2] * n),
+            ints(*range(n)),
+            ints(*range(n)),
+            blocking,
+            b"dp",
+        )
+
+    def issue(key, kind, send_peer=-1, recv_peer=-1):
+        _native.call("jaxdist_test_issue", key, 0, kind, 16, send_peer, recv_peer)
+
+    def run_on_new_comm(kind, blocking, **peers):
+        fake.fake_nccl_reset()
+        lib.jaxdist_set_timeout_ms(300000)
+        key = next(keys)
+        init(key, blocking)
+        _native.call("jaxdist_comm_wait_ready", key)
+        return lambda: issue(key, kind, **peers)
+
+    for blocking in (1, 0):
+        mode = "blocking" if blocking else "nonblocking"
+        key = next(keys)
+        scenario(
+            f"init_{mode}",
+            lambda key=key, b=blocking: (init(key, b, n=2), _native.call("jaxdist_comm_wait_ready", key)),
+        )
+        scenario(f"send_only_{mode}", run_on_new_comm(SENDRECV, blocking, send_peer=1))
+        scenario(f"recv_only_{mode}", run_on_new_comm(SENDRECV, blocking, recv_peer=1))
+        scenario(f"sendrecv_{mode}", run_on_new_comm(SENDRECV, blocking, send_peer=1, recv_peer=1))
+        scenario(f"all_reduce_{mode}", run_on_new_comm(ALL_REDUCE, blocking))
+    scenario("in_progress_5_times", run_on_new_comm(SENDRECV, 0, send_peer=1), in_progress=5)
+    scenario("stuck_in_progress", run_on_new_comm(ALL_GATHER, 0), in_progress=-1, timeout_ms=300)
+    scenario(
+        "error_from_call",
+        run_on_new_comm(REDUCE_SCATTER, 1),
+        fail=("ReduceScatter", NCCL_INTERNAL_ERROR, "peer 1 vanished"),
+    )
+    scenario(
+        "async_error",
+        run_on_new_comm(ALL_REDUCE, 0),
+        fail=("CommGetAsyncError", NCCL_INTERNAL_ERROR, "remote rank failed"),
+    )
+    key = next(keys)
+    init(key, 1)
+    scenario("destroy", lambda: _native.call("jaxdist_comm_destroy", key))
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""The NCCL call protocol, proven on CPU against a recording test-double libnccl.
+
+Every point-to-point op sits inside its own ncclGroupStart/End (seed 003);
+every call that may answer ncclInProgress is polled until it stops; a state
+stuck in progress hits the deadline, aborts and raises; NCCL errors become
+exceptions carrying NCCL's message.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxdist import _native
+
+FAKE = _native.find_library(_native.FAKE_NCCL_LIBRARY)
+pytestmark = pytest.mark.skipif(FAKE is None, reason="the compiled FFI library is not built")
+DRIVER = Path(__file__).with_name("nccl_protocol_driver.py")
+
+
+@pytest.fixture(scope="module")
+def runs():
+    out = subprocess.run(
+        [sys.executable, str(DRIVER), str(FAKE)], capture_output=True, text=True, timeout=120, cwd=DRIVER.parent.parent
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _after_group(log):
+    """The call lines from GroupEnd on."""
+    return log[log.index("GroupEnd") :]
+
+
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+@pytest.mark.parametrize(
+    "op,calls",
+    [
+        ("send_only", ["Send peer=1 count=16"]),
+        ("recv_only", ["Recv peer=1 count=16"]),
+        ("sendrecv", ["Send peer=1 count=16", "Recv peer=1 count=16"]),
+        ("all_reduce", ["AllReduce count=16 op=0"]),
+    ],
+)
+def test_each_op_is_issued_inside_its_own_group_then_polled(runs, op, calls, mode):
+    log = runs[f"{op}_{mode}"]["log"]
+    assert log == ["GroupStart", *calls, "GroupEnd", "CommGetAsyncError -> Success"]
+
+
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+def test_init_of_several_local_ranks_is_grouped_and_polled(runs, mode):
+    log = runs[f"init_{mode}"]["log"]
+    b = int(mode == "blocking")
+    assert log[:4] == [
+        "GroupStart",
+        f"CommInitRankConfig rank=0 nranks=2 blocking={b}",
+        f"CommInitRankConfig rank=1 nranks=2 blocking={b}",
+        "GroupEnd",
+    ]
+    assert log[4:] == ["CommGetAsyncError -> Success"] * 2
+
+
+def test_in_progress_answered_five_times_is_polled_until_success(runs):
+    log = _after_group(runs["in_progress_5_times"]["log"])
+    assert log == ["GroupEnd"] + ["CommGetAsyncError -> InProgress"] * 5 + ["CommGetAsyncError -> Success"]
+    assert runs["in_progress_5_times"]["error"] is None
+
+
+def test_stuck_in_progress_hits_the_deadline_aborts_and_raises(runs):
+    r = runs["stuck_in_progress"]
+    assert "all_gather" in r["error"] and "axis 'dp'" in r["error"] and "rank 0 of 2" in r["error"]
+    assert "300 ms deadline" in r["error"]
+    assert r["log"][-1] == "CommAbort" and r["aborts"] == 1
+    assert 0.3 <= r["seconds"] < 0.3 + 0.5  # the 300 ms deadline plus a small margin
+
+
+def test_an_nccl_error_becomes_an_exception_with_nccls_message(runs):
+    r = runs["error_from_call"]
+    assert "reduce_scatter" in r["error"] and "internal error" in r["error"] and "peer 1 vanished" in r["error"]
+    assert r["log"][-2:] == ["GroupEnd", "CommAbort"]  # the group is closed before aborting
+
+
+def test_an_async_error_found_while_polling_is_raised(runs):
+    r = runs["async_error"]
+    assert "remote rank failed" in r["error"] and r["log"][-1] == "CommAbort"
+
+
+def test_destroy_finalizes_polls_then_destroys(runs):
+    assert runs["destroy"]["log"] == ["CommFinalize", "CommGetAsyncError -> Success", "CommDestroy"]
+
+
+def test_nccl_is_loaded_from_the_path_in_the_env_var():
+    code = (
+        "from jaxdist.comm import nccl; import jaxdist._native as n; print(nccl.nccl_library_path()); "
+        "n.call('jaxdist_nccl_load', str(nccl.nccl_library_path()).encode()); "
+        "print(n.ffi_library().jaxdist_nccl_version())"
+    )
+    env = {**os.environ, "JAXDIST_NCCL_LIBRARY": str(FAKE)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(FAKE), "99999"]  # the fake's version number
+
+
+def test_a_missing_nccl_library_gives_a_clear_error(monkeypatch):
+    from jaxdist.comm import nccl
+
+    monkeypatch.setenv("JAXDIST_NCCL_LIBRARY", "/nowhere/libnccl.so.2")
+    nccl.load.cache_clear()
+    with pytest.raises(_native.NativeLibraryError, match="cannot load NCCL from /nowhere/libnccl.so.2"):
+        nccl.load()
+    nccl.load.cache_clear()
+
+
+def test_the_nccl_backend_without_gpus_says_to_use_xla():
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdist import comm
+    from tests.meshes import cpu_mesh
+
+    if jax.devices()[0].platform == "gpu":
+        pytest.skip("this machine has GPUs")
+    mesh = cpu_mesh((8,), ("x",))
+    f = jax.shard_map(
+        lambda x: comm.all_reduce(x, "x", comm.token(), backend="nccl")[0],
+        mesh=mesh,
+        in_specs=jax.P("x"),
+        out_specs=jax.P("x"),
+    )
+    with pytest.raises(RuntimeError, match="needs CUDA GPUs.*backend='xla'"):
+        jax.jit(f).lower(jax.ShapeDtypeStruct((8,), jnp.float32, sharding=jax.NamedSharding(mesh, jax.P("x"))))
