@@ -38,8 +38,12 @@ def main() -> None:
     gathered, total, ring, part = f(x)
     print("input (one value per device):   ", np.asarray(x))
     print("all_gather, as rank 0 sees it:  ", np.asarray(gathered)[0])
-    print("all_reduce of sum(2*tanh(x)):   ", np.asarray(total)[0].round(4),
-          " numpy:", round(float((2 * np.tanh(np.arange(n))).sum()), 4))
+    print(
+        "all_reduce of sum(2*tanh(x)):   ",
+        np.asarray(total)[0].round(4),
+        " numpy:",
+        round(float((2 * np.tanh(np.arange(n))).sum()), 4),
+    )
     print("sendrecv one step round a ring: ", np.asarray(ring))
     print("reduce_scatter(mean) of x[rank]:", np.asarray(part), " (each rank: mean of 0..n-1)")
     hlo = f.lower(x).compile().as_text()
