@@ -14,6 +14,7 @@ from jaxdist import _native
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, SENDRECV = 0, 1, 2, 3
 NCCL_INTERNAL_ERROR = 3
+NCCL_IN_PROGRESS = 7
 
 
 def main() -> None:
@@ -83,6 +84,12 @@ def main() -> None:
         scenario(f"sendrecv_{mode}", run_on_new_comm(SENDRECV, blocking, send_peer=1, recv_peer=1))
         scenario(f"all_reduce_{mode}", run_on_new_comm(ALL_REDUCE, blocking))
     scenario("in_progress_5_times", run_on_new_comm(SENDRECV, 0, send_peer=1), in_progress=5)
+    scenario(
+        "blocking_in_progress_3_times",
+        run_on_new_comm(ALL_REDUCE, 1),
+        in_progress=3,
+        fail=("GroupEnd", NCCL_IN_PROGRESS, ""),
+    )
     scenario("stuck_in_progress", run_on_new_comm(ALL_GATHER, 0), in_progress=-1, timeout_ms=300)
     scenario(
         "error_from_call",

@@ -2,6 +2,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <map>
@@ -56,28 +57,36 @@ std::string Poll(const NcclApi& nccl, Comm& comm, const char* op, ncclResult_t i
   if (issued != ncclSuccess && issued != ncclInProgress) {
     return AbortWith(nccl, comm, Describe(nccl, comm, op, issued));
   }
+  // A blocking communicator has finished its work when the call returns; only
+  // a non-blocking one (or an in-progress answer) needs polling. A non-blocking
+  // one is polled even after ncclSuccess: seed 003 is a lone ncclSend that
+  // answered ncclSuccess before its kernel was enqueued.
+  if (comm.blocking && issued == ncclSuccess) return "";
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   const auto deadline = start + std::chrono::milliseconds(TimeoutMs());
-  // Spin first (a healthy enqueue finishes in microseconds), then yield,
-  // then sleep: cheap when fast, no CPU burnt when slow.
-  for (int64_t iter = 0;; ++iter) {
+  // Yield-spin for the first 500 us: a healthy enqueue finishes in tens of
+  // microseconds, and sleep_for rounds up to the timer slack (~50 us). Then
+  // sleep with back-off so a slow peer burns no CPU.
+  auto nap = std::chrono::microseconds(20);
+  for (;;) {
     ncclResult_t state = ncclInProgress;
     ncclResult_t r = nccl.CommGetAsyncError(comm.comm, &state);
     if (r != ncclSuccess) return AbortWith(nccl, comm, Describe(nccl, comm, op, r));
     if (state == ncclSuccess) return "";
     if (state != ncclInProgress) return AbortWith(nccl, comm, Describe(nccl, comm, op, state));
-    if (Clock::now() > deadline) {
+    const auto now = Clock::now();
+    if (now > deadline) {
       return AbortWith(nccl, comm,
                        Describe(nccl, comm, op, ncclInProgress,
                                 "still in progress after the " + std::to_string(TimeoutMs()) +
                                     " ms deadline (set JAXDIST_NCCL_TIMEOUT_S to change it)"));
     }
-    if (iter < 256) continue;
-    if (iter < 1024) {
+    if (now - start < std::chrono::microseconds(500)) {
       sched_yield();
     } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(iter < 4096 ? 10 : 200));
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::microseconds(1000));
     }
   }
 }
