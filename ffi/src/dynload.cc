@@ -83,6 +83,7 @@ const CudaApi* Cuda(std::string* error) {
       return false;
     }
     std::string missing;
+    Bind(lib, "cuInit", &api.Init, &missing);
     Bind(lib, "cuDeviceGet", &api.DeviceGet, &missing);
     Bind(lib, "cuDevicePrimaryCtxRetain", &api.DevicePrimaryCtxRetain, &missing);
     Bind(lib, "cuCtxSetCurrent", &api.CtxSetCurrent, &missing);
@@ -94,8 +95,14 @@ const CudaApi* Cuda(std::string* error) {
     Bind(lib, "cuMemcpyDtoDAsync_v2", &api.MemcpyDtoDAsync, &missing);
     Bind(lib, "cuMemsetD8Async", &api.MemsetD8Async, &missing);
     Bind(lib, "cuGetErrorString", &api.GetErrorString, &missing);
-    if (!missing.empty()) load_error = "libcuda.so.1 lacks " + missing;
-    return missing.empty();
+    if (!missing.empty()) {
+      load_error = "libcuda.so.1 lacks " + missing;
+      return false;
+    }
+    // Idempotent; needed where nothing (such as JAX's CUDA plugin) initialized the driver yet.
+    CUresult r = api.Init(0);
+    if (r != CUDA_SUCCESS) load_error = "cuInit failed with CUDA error " + std::to_string(static_cast<int>(r));
+    return r == CUDA_SUCCESS;
   }();
   if (!ok && error != nullptr) *error = load_error;
   return ok ? &api : nullptr;

@@ -32,6 +32,7 @@ struct NcclApi {
 };
 
 struct CudaApi {
+  CUresult (*Init)(unsigned int);
   CUresult (*DeviceGet)(CUdevice*, int);
   CUresult (*DevicePrimaryCtxRetain)(CUcontext*, CUdevice);
   CUresult (*CtxSetCurrent)(CUcontext);
