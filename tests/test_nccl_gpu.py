@@ -37,8 +37,6 @@ def _mesh(n: int, axis: str) -> Mesh:
 
 def _both_backends(mesh, axis, x, body):
     """Run `body` with the nccl backend and with the xla backend; return both results."""
-    from jaxdist.comm import nccl
-
     out = {}
     for backend in ("nccl", "xla"):
         comm.set_default_backend(backend)
@@ -47,7 +45,6 @@ def _both_backends(mesh, axis, x, body):
             out[backend] = jax.tree.map(np.asarray, f(jax.device_put(x, NamedSharding(mesh, P(axis)))))
         finally:
             comm.set_default_backend("xla")
-    del nccl
     return out["nccl"], out["xla"]
 
 

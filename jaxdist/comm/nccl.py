@@ -140,7 +140,7 @@ def init(mesh: Mesh, axes=None, *, blocking: bool = True) -> None:
     """
     if not any(d.platform == "gpu" or d.platform == "cuda" for d in mesh.devices.flat):
         raise RuntimeError("the nccl backend needs a mesh of CUDA GPUs; use backend='xla' on other platforms")
-    lib = load()
+    load()
     groups = [(a,) if isinstance(a, str) else tuple(a) for a in (axes or mesh.axis_names)]
     for group in groups:
         k = _mesh_key(mesh.axis_names, mesh.devices.shape, group)
@@ -169,7 +169,6 @@ def init(mesh: Mesh, axes=None, *, blocking: bool = True) -> None:
             "+".join(group).encode(),
         )
         _registry[k] = key
-    del lib
 
 
 def wait_ready() -> None:
