@@ -41,13 +41,6 @@ def _abstract_eval(*avals):
     return list(avals)
 
 
-def _impl(*args):
-    return _cpu_tie(*args)
-
-
-sequence_p.def_impl(_impl)
-
-
 def _cpu_tie(*args):
     *values, token = args
     # The token is kept in {0, 1}, so `token == 255` is never true, but XLA cannot know that.
@@ -57,6 +50,9 @@ def _cpu_tie(*args):
         if v.size:
             token = jnp.maximum(token, (v.reshape(-1)[0] > 1).astype(token.dtype))
     return (*tied, token)
+
+
+sequence_p.def_impl(_cpu_tie)
 
 
 def _flip(v):
