@@ -124,11 +124,9 @@ int jaxdist_comm_wait_ready(int64_t key, char* err, int errlen) {
   const NcclApi* nccl = Require(err, errlen);
   if (nccl == nullptr) return 1;
   std::string failure;
-  struct Ctx { const NcclApi* nccl; std::string* failure; } ctx{nccl, &failure};
-  ForEachComm(key, [](Comm& c, void* p) {
-    auto* ctx = static_cast<Ctx*>(p);
-    if (ctx->failure->empty()) *ctx->failure = EnsureReady(*ctx->nccl, c, "init");
-  }, &ctx);
+  ForEachComm(key, [&](Comm& c) {
+    if (failure.empty()) failure = EnsureReady(*nccl, c, "init");
+  });
   return Report(failure, err, errlen);
 }
 
@@ -137,19 +135,17 @@ int jaxdist_comm_destroy(int64_t key, char* err, int errlen) {
   const NcclApi* nccl = Require(err, errlen);
   if (nccl == nullptr) return 1;
   std::string failure;
-  struct Ctx { const NcclApi* nccl; std::string* failure; } ctx{nccl, &failure};
-  ForEachComm(key, [](Comm& c, void* p) {
-    auto* ctx = static_cast<Ctx*>(p);
+  ForEachComm(key, [&](Comm& c) {
     if (c.aborted || c.comm == nullptr) return;
-    std::string e = EnsureReady(*ctx->nccl, c, "finalize");
-    if (e.empty()) e = Poll(*ctx->nccl, c, "finalize", ctx->nccl->CommFinalize(c.comm));
+    std::string e = EnsureReady(*nccl, c, "finalize");
+    if (e.empty()) e = Poll(*nccl, c, "finalize", nccl->CommFinalize(c.comm));
     if (e.empty()) {
-      ctx->nccl->CommDestroy(c.comm);
-    } else if (ctx->failure->empty()) {
-      *ctx->failure = e;
+      nccl->CommDestroy(c.comm);
+    } else if (failure.empty()) {
+      failure = e;
     }
     c.comm = nullptr;
-  }, &ctx);
+  });
   RemoveComms(key);
   return Report(failure, err, errlen);
 }

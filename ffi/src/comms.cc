@@ -147,11 +147,11 @@ Comm* AddComm(int64_t key, int device) {
   return slot.get();
 }
 
-void ForEachComm(int64_t key, void (*fn)(Comm&, void*), void* arg) {
+void ForEachComm(int64_t key, const std::function<void(Comm&)>& fn) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   auto it = registry.find(key);
   if (it == registry.end()) return;
-  for (auto& [device, comm] : it->second) fn(*comm, arg);
+  for (auto& [device, comm] : it->second) fn(*comm);
 }
 
 void RemoveComms(int64_t key) {

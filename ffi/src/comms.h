@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "dynload.h"
@@ -63,7 +64,7 @@ std::string Issue(const NcclApi& nccl, Comm& comm, const OpDesc& op, cudaStream_
 // mesh axis of one mesh; each device holds the communicator of its group.
 Comm* FindComm(int64_t key, int device);
 Comm* AddComm(int64_t key, int device);
-void ForEachComm(int64_t key, void (*fn)(Comm&, void*), void* arg);
+void ForEachComm(int64_t key, const std::function<void(Comm&)>& fn);
 void RemoveComms(int64_t key);
 
 }  // namespace jaxdist

@@ -138,7 +138,7 @@ def init(mesh: Mesh, axes=None, *, blocking: bool = True) -> None:
     once. With `blocking=False` this returns while NCCL still initializes;
     the first op waits for it (or call `wait_ready`).
     """
-    if not any(d.platform == "gpu" or d.platform == "cuda" for d in mesh.devices.flat):
+    if not any(d.platform in ("gpu", "cuda") for d in mesh.devices.flat):
         raise RuntimeError("the nccl backend needs a mesh of CUDA GPUs; use backend='xla' on other platforms")
     load()
     groups = [(a,) if isinstance(a, str) else tuple(a) for a in (axes or mesh.axis_names)]
