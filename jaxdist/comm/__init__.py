@@ -16,6 +16,7 @@ from jaxdist.comm._ops import (
     reduce_scatter_start,
     sendrecv,
     sendrecv_start,
+    tie,
     wait,
 )
 from jaxdist.comm._types import Handle, Token, token
@@ -33,6 +34,7 @@ __all__ = [
     "sendrecv",
     "sendrecv_start",
     "set_default_backend",
+    "tie",
     "token",
     "wait",
 ]

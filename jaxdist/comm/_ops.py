@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
+
 from jaxdist.comm import _checks as checks
 from jaxdist.comm._backend import Backend, get_backend
 from jaxdist.comm._sequence import sequence
@@ -122,6 +124,19 @@ def all_reduce_start(x, axis_name, token: Token, *, op: str = "sum", backend: st
 def sendrecv_start(x, axis_name, token: Token, *, perm: Sequence[tuple[int, int]], backend: str | None = None):
     """Begin a `sendrecv`; returns `(handle, token)`. Finish it with `wait`."""
     return _start("sendrecv", x, axis_name, token, backend, perm=perm)
+
+
+def tie(values, token: Token):
+    """Put `values` (a pytree of arrays) on the token's chain; returns `(values, token)`.
+
+    The returned values are not available before everything earlier on the
+    chain, and the returned token not before the values: use it to order your
+    own compute against communication.
+    """
+    checks.check_token(token, "tie")
+    leaves, treedef = jax.tree.flatten(values)
+    leaves, token = _sequenced(tuple(leaves), token)
+    return treedef.unflatten(list(leaves)), token
 
 
 def wait(handle: Handle, token: Token):

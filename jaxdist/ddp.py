@@ -1,0 +1,387 @@
+"""Data parallelism with gradient buckets, and ZeRO-1 (a distributed optimizer).
+
+`DDP(mesh, ...)` is a value you build and then `prepare` on an unmodified Flax
+NNX model, an optax optimizer and a loss function; you get back the sharded
+train state and a jitted train step over the mesh axis `dp`.
+
+Plain DDP keeps parameters and optimizer state replicated and all-reduces the
+gradients bucket by bucket. With `zero1=True` the state is the parameters'
+bucket shards and the optimizer state of those shards (1/dp per device); the
+gradients are reduce-scattered, each rank updates its shard, and the next
+step's forward all-gathers the parameters bucket by bucket, each gather in
+flight while the previous bucket's layers compute.
+
+The overlap is data flow, not hooks: the step is traced to a jaxpr and
+evaluated equation by equation (`jaxdist._interleave`). A bucket's reduction
+starts right after the equation that finishes its last gradient and is waited
+one bucket later; a parameter is read only as the output of the `wait` that
+finished its bucket's gather. Everything is ordered on one token chain, so the
+order shows in the compiled HLO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import comm
+from jaxdist._interleave import LAZY, Schedule, eval_interleaved, first_use_order
+from jaxdist.buckets import DEFAULT_BUCKET_SIZE, BucketLayout, bucket_layout, pack_bucket, unpack_bucket
+
+
+@dataclasses.dataclass(frozen=True)
+class DDP:
+    """Options of data-parallel training over the mesh axis `axis`.
+
+    Attributes:
+      mesh: the device mesh; only `axis` is used (other axes see replicated work).
+      axis: the data-parallel mesh axis.
+      zero1: shard the optimizer state (and the parameters between steps) over
+        `axis`: reduce-scatter gradients, update shards, all-gather parameters.
+      bucket_size / bucket_bytes / first_bucket_size / pad_for_nccl / shared:
+        the bucket layout, see `jaxdist.buckets.bucket_layout`.
+      average_in_collective: True reduces with "mean"; False scales the
+        gradients by 1/dp first and reduces with "sum" (Megatron's two choices).
+      reduce_dtype: dtype the gradients are reduced in (e.g. float32 for
+        bfloat16 parameters); default the parameter dtype.
+      accumulation_steps: micro-batches per step; only the last one reduces.
+      skip_nonfinite: when any gradient is NaN/Inf, keep parameters and
+        optimizer state unchanged and report `skipped=True`.
+      max_grad_norm: clip the reduced gradient to this global L2 norm (exact
+        under zero1 too, unlike an optax clip applied to shards).
+      overlap_grad_reduce: start each bucket's reduction during backward.
+      overlap_param_gather: (zero1) gather each bucket during the forward,
+        just ahead of its first use; otherwise gather everything first.
+      backend: the `jaxdist.comm` backend ("xla" or "nccl"; default: process default).
+    """
+
+    mesh: jax.sharding.Mesh
+    axis: str = "dp"
+    zero1: bool = False
+    bucket_size: int | None = DEFAULT_BUCKET_SIZE
+    bucket_bytes: int | None = None
+    first_bucket_size: int | None = None
+    pad_for_nccl: bool = False
+    shared: tuple[str, ...] = ()
+    average_in_collective: bool = True
+    reduce_dtype: Any = None
+    accumulation_steps: int = 1
+    skip_nonfinite: bool = True
+    max_grad_norm: float | None = None
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    backend: str | None = None
+
+    def __post_init__(self):
+        if self.axis not in self.mesh.axis_names:
+            raise ValueError(f"DDP: axis {self.axis!r} is not a mesh axis; the mesh has {self.mesh.axis_names}")
+        if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
+            raise ValueError(f"DDP: accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"DDP: max_grad_norm must be positive or None, got {self.max_grad_norm!r}")
+
+    @property
+    def dp(self) -> int:
+        return self.mesh.shape[self.axis]
+
+    def prepare(
+        self,
+        model: nnx.Module,
+        optimizer: optax.GradientTransformation,
+        loss_fn: Callable[[nnx.Module, Any], jax.Array],
+        batch,
+    ) -> DDPRun:
+        """Lay out buckets, shard the state, and build the train step.
+
+        Args:
+          model: a Flax NNX module; its `nnx.Param`s are trained, every other
+            variable is a constant.
+          optimizer: an optax transformation. Under zero1 it sees each bucket's
+            flat shard as one leaf, so it must be elementwise (adam, adamw
+            without a mask, sgd, lion, ...); use `max_grad_norm` for clipping.
+          loss_fn: `loss_fn(model, batch) -> scalar` mean loss of a batch.
+          batch: an example global batch (arrays or ShapeDtypeStructs); every
+            leaf's leading dimension is the batch and is split over `axis`.
+        """
+        return DDPRun(self, model, optimizer, loss_fn, batch)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    """What a step updates: parameters (a pytree, or bucket shards under zero1), optimizer state, step."""
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
+
+
+class DDPRun:
+    """A prepared DDP run: `state`, `step(state, batch) -> (state, metrics)`, `layout`."""
+
+    def __init__(self, cfg: DDP, model, optimizer, loss_fn, batch):
+        self.cfg = cfg
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        leaves, self.treedef = jax.tree.flatten(params)
+        self.param_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+        self.batch_spec = P(cfg.axis)
+        self.micro_batch = self._micro_batch_avals(batch)
+        order = first_use_order(self._grad_jaxpr(), {i: i for i in range(len(leaves))})
+        self.layout: BucketLayout = bucket_layout(
+            params,
+            cfg.dp,
+            bucket_size=cfg.bucket_size,
+            bucket_bytes=cfg.bucket_bytes,
+            first_bucket_size=cfg.first_bucket_size,
+            forward_order=order,
+            shared=cfg.shared,
+            pad_for_nccl=cfg.pad_for_nccl,
+        )
+        self.state = self._init_state(params)
+        self.step = jax.jit(self._step, donate_argnums=0)
+
+    # -- tracing helpers -----------------------------------------------------
+
+    def _micro_batch_avals(self, batch):
+        cfg = self.cfg
+        per_step = cfg.dp * cfg.accumulation_steps
+
+        def local(x):
+            if x.ndim == 0 or x.shape[0] % per_step:
+                raise ValueError(
+                    f"DDP: batch leading dimension {x.shape[0] if x.ndim else None} must be divisible by "
+                    f"dp * accumulation_steps = {per_step}; change the batch size or accumulation_steps"
+                )
+            return jax.ShapeDtypeStruct((x.shape[0] // per_step, *x.shape[1:]), x.dtype)
+
+        return jax.tree.map(local, batch)
+
+    def _loss_of_leaves(self, leaves, batch):
+        model = nnx.merge(self.graphdef, self.treedef.unflatten(leaves), self.rest)
+        return self.loss_fn(model, batch)
+
+    def _grad_jaxpr(self):
+        return jax.make_jaxpr(jax.value_and_grad(self._loss_of_leaves))(self.param_avals, self.micro_batch)
+
+    # -- state ---------------------------------------------------------------
+
+    def _sharding(self, spec) -> NamedSharding:
+        return NamedSharding(self.cfg.mesh, spec)
+
+    def _init_state(self, params) -> TrainState:
+        leaves = self.treedef.flatten_up_to(params)
+        if self.cfg.zero1:
+            shard = self._sharding(P(self.cfg.axis))
+            pack_all = jax.jit(lambda ls: tuple(pack_bucket(b, ls) for b in self.layout.buckets), out_shardings=shard)
+            state_params = pack_all(leaves)
+        else:
+            state_params = jax.device_put(params, self._sharding(P()))
+        opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_shardings(state_params))(state_params)
+        return TrainState(state_params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), self._sharding(P())))
+
+    def _opt_specs(self, params):
+        """Under zero1 every non-scalar optimizer leaf is a bucket shard; everything else is replicated."""
+        shapes = jax.eval_shape(self.optimizer.init, params)
+        split = self.cfg.zero1
+        return jax.tree.map(lambda s: P(self.cfg.axis) if split and s.ndim >= 1 else P(), shapes)
+
+    def _opt_shardings(self, params):
+        return jax.tree.map(self._sharding, self._opt_specs(params), is_leaf=lambda x: isinstance(x, P))
+
+    def params(self, state: TrainState):
+        """The full parameters (an `nnx.State`, replicated) of `state`."""
+        if not self.cfg.zero1:
+            return state.params
+        full = jax.device_put(state.params, self._sharding(P()))
+        leaves = {}
+        for bucket, flat in zip(self.layout.buckets, full, strict=True):
+            leaves.update(unpack_bucket(bucket, flat))
+        return self.treedef.unflatten([leaves[i] for i in range(len(leaves))])
+
+    def model(self, state: TrainState) -> nnx.Module:
+        """An NNX model holding the parameters of `state`."""
+        return nnx.merge(self.graphdef, self.params(state), self.rest)
+
+    # -- the step ------------------------------------------------------------
+
+    def _step(self, state: TrainState, batch):
+        cfg = self.cfg
+        batch = jax.tree.map(lambda x: jax.device_put(x, self._sharding(self.batch_spec)), batch)
+        param_spec = P(cfg.axis) if cfg.zero1 else P()
+        opt_specs = self._opt_specs(state.params)
+        metric_specs = {"loss": P(), "grad_norm": P(), "skipped": P()}
+        body = jax.shard_map(
+            self._local_step,
+            mesh=cfg.mesh,
+            in_specs=(param_spec, opt_specs, self.batch_spec),
+            out_specs=(param_spec, opt_specs, metric_specs),
+            check_vma=False,
+        )
+        params, opt_state, metrics = body(state.params, state.opt_state, batch)
+        return TrainState(params, opt_state, state.step + 1), metrics
+
+    def _local_step(self, params, opt_state, batch):
+        cfg = self.cfg
+        tok = comm.token()
+        a = cfg.accumulation_steps
+        micro = jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), batch)
+        closed = self._grad_jaxpr()
+        n = len(self.param_avals)
+        by_bucket = {i: self._bucket_of[i] for i in range(n)}
+        sched = _BucketSchedule(self, tok, params if cfg.zero1 else None, first_use_order(closed, by_bucket))
+        if cfg.zero1 and (a > 1 or not cfg.overlap_param_gather):
+            leaves = sched.gather_all()
+        elif cfg.zero1:
+            leaves = [LAZY] * n
+        else:
+            leaves = self.treedef.flatten_up_to(params)
+        loss_sum = jnp.zeros((), jnp.float32)
+        if a > 1:  # no_sync micro-batches: local gradients only, summed
+            grad_fn = jax.value_and_grad(self._loss_of_leaves)
+
+            def accumulate(carry, mb):
+                loss, grads = grad_fn(leaves, mb)
+                return (carry[0] + loss, [g + d for g, d in zip(carry[1], grads, strict=True)]), None
+
+            zeros = [jnp.zeros(x.shape, x.dtype) for x in self.param_avals]
+            first = jax.tree.map(lambda x: x[:-1], micro)
+            (loss_sum, acc), _ = jax.lax.scan(accumulate, (loss_sum, zeros), first)
+            sched.accumulated = acc
+        last = jax.tree.map(lambda x: x[-1], micro)
+        lazy = by_bucket if leaves[0] is LAZY else {}
+        watch = {1 + i: b for i, b in by_bucket.items()}
+        args = [*leaves, *jax.tree.leaves(last)]
+        if not cfg.overlap_grad_reduce:
+            watch = {}
+        loss, *grads = eval_interleaved(closed, args, sched, lazy=lazy, watch=watch)
+        if not cfg.overlap_grad_reduce:
+            for b in range(len(self.layout)):
+                sched.ready(b, {1 + s.leaf: grads[s.leaf] for s in self.layout.buckets[b].slots})
+        reduced = sched.drain()
+        loss = (loss_sum + loss.astype(jnp.float32)) / a
+        loss, tok = comm.all_reduce(loss, cfg.axis, sched.tok, op="mean", backend=cfg.backend)
+        return self._update(params, opt_state, reduced, loss, tok)
+
+    @functools.cached_property
+    def _bucket_of(self) -> dict[int, int]:
+        return {s.leaf: b.index for b in self.layout.buckets for s in b.slots}
+
+    def _update(self, params, opt_state, reduced: list, loss, tok):
+        cfg = self.cfg
+        sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in reduced)
+        if cfg.zero1:  # each rank holds a shard: the global norm needs the other ranks' squares
+            sq, tok = comm.all_reduce(sq, cfg.axis, tok, op="sum", backend=cfg.backend)
+        norm = jnp.sqrt(sq)
+        if cfg.max_grad_norm is not None:
+            scale = jnp.minimum(1.0, cfg.max_grad_norm / (norm + 1e-6))
+            reduced = [(g * scale).astype(g.dtype) for g in reduced]
+        if cfg.zero1:
+            grads = tuple(g.astype(b.dtype) for g, b in zip(reduced, self.layout.buckets, strict=True))
+        else:
+            unpacked = {}
+            for bucket, flat in zip(self.layout.buckets, reduced, strict=True):
+                unpacked.update(unpack_bucket(bucket, flat, bucket.dtype))
+            grads = self.treedef.unflatten([unpacked[i] for i in range(len(unpacked))])
+        updates, new_opt = self.optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        skipped = jnp.zeros((), jnp.bool_)
+        if cfg.skip_nonfinite:
+            skipped = ~jnp.isfinite(norm)  # a NaN/Inf anywhere makes the global norm non-finite
+            keep = lambda new, old: jnp.where(skipped, old, new)
+            new_params = jax.tree.map(keep, new_params, params)
+            new_opt = jax.tree.map(keep, new_opt, opt_state)
+        return new_params, new_opt, {"loss": loss, "grad_norm": norm, "skipped": skipped}
+
+
+class _BucketSchedule(Schedule):
+    """The communication of one DDP step, on one token chain.
+
+    Gradients: bucket b's reduction starts as soon as its gradients exist; the
+    oldest pending one is waited when the next starts, and the following
+    equation is tied to that wait, so at most two reductions are in flight and
+    each overlaps the backward compute between two buckets.
+    Parameters (zero1): the gather of the next bucket in forward order starts
+    when the current one is waited, just before its first use.
+    """
+
+    def __init__(self, run: DDPRun, tok, shards, gather_order):
+        self.cfg, self.layout = run.cfg, run.layout
+        self.tok = tok
+        self.shards = shards
+        self.accumulated = None
+        self.pending: list[tuple[int, Any]] = []
+        self.reduced: dict[int, jax.Array] = {}
+        self.tie_next = False
+        self.gathers: dict[int, Any] = {}
+        self.gather_order = gather_order  # buckets in the order the forward first reads them
+        if shards is not None:
+            self._start_gather(0)
+
+    def _start_gather(self, position: int):
+        if position < len(self.gather_order):
+            b = self.gather_order[position]
+            self.gathers[b], self.tok = comm.all_gather_start(
+                self.shards[b], self.cfg.axis, self.tok, tiled=True, backend=self.cfg.backend
+            )
+
+    def _wait_gather(self, b: int) -> dict[int, jax.Array]:
+        flat, self.tok = comm.wait(self.gathers.pop(b), self.tok)
+        self._start_gather(self.gather_order.index(b) + 1)
+        return unpack_bucket(self.layout.buckets[b], flat)
+
+    def gather_all(self) -> list:
+        leaves = {}
+        for b in list(self.gather_order):
+            leaves.update(self._wait_gather(b))
+        return [leaves[i] for i in range(len(leaves))]
+
+    def fetch(self, b, ties):
+        ties, self.tok = comm.tie(ties, self.tok)  # the gather of the next bucket waits for this compute
+        return self._wait_gather(b), ties
+
+    def ready(self, b, values):
+        bucket = self.layout.buckets[b]
+        grads = {i - 1: g for i, g in values.items()}
+        if self.accumulated is not None:
+            grads = {i: g + self.accumulated[i] for i, g in grads.items()}
+        dtype = self.cfg.reduce_dtype or bucket.dtype
+        flat = pack_bucket(bucket, grads, dtype)
+        op = "mean"
+        if not self.cfg.average_in_collective:
+            flat, op = flat * np.asarray(1 / self.cfg.dp, dtype), "sum"
+        start = comm.reduce_scatter_start if self.cfg.zero1 else comm.all_reduce_start
+        handle, self.tok = start(flat, self.cfg.axis, self.tok, op=op, backend=self.cfg.backend)
+        if self.pending:
+            self._finish_oldest()
+            self.tie_next = True
+        self.pending.append((b, handle))
+
+    def _finish_oldest(self):
+        b, handle = self.pending.pop(0)
+        self.reduced[b], self.tok = comm.wait(handle, self.tok)
+
+    def before(self, inputs):
+        if self.tie_next and inputs:
+            self.tie_next = False
+            inputs, self.tok = comm.tie(inputs, self.tok)
+        return inputs
+
+    def drain(self) -> list:
+        """Finish every reduction (and any unread gather); the reduced buckets in bucket order."""
+        while self.pending:
+            self._finish_oldest()
+        for b in list(self.gathers):
+            self._wait_gather(b)
+        return [self.reduced[b] for b in range(len(self.layout))]

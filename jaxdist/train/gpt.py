@@ -1,0 +1,115 @@
+"""A GPT in plain Flax NNX: embeddings, a list of identical blocks, a head.
+
+The model knows nothing about parallelism; jaxdist's strategies wrap it from
+outside. The three parts are separate methods (`embed`, `blocks`, `logits`)
+so a strategy that works unit by unit (FSDP) can call them one at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 64
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 2
+    d_ff: int | None = None  # default 4 * d_model
+    tie_embeddings: bool = False
+    dtype: Any = jnp.float32  # compute dtype
+    param_dtype: Any = jnp.float32
+
+    @property
+    def ff(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    def num_params(self) -> int:
+        d, f, v = self.d_model, self.ff, self.vocab_size
+        block = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
+        head = 0 if self.tie_embeddings else d * v
+        return v * d + self.seq_len * d + self.n_layers * block + 2 * d + head
+
+
+# Named sizes, from a CPU demo up to about 1B parameters (GPT-2 / GPT-3 shapes).
+FLAVORS = {
+    "tiny": GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=2),
+    "small-cpu": GPTConfig(vocab_size=256, seq_len=128, d_model=128, n_heads=4, n_layers=4),
+    "124m": GPTConfig(vocab_size=50304, seq_len=1024, d_model=768, n_heads=12, n_layers=12, tie_embeddings=True),
+    "350m": GPTConfig(vocab_size=50304, seq_len=1024, d_model=1024, n_heads=16, n_layers=24, tie_embeddings=True),
+    "760m": GPTConfig(vocab_size=50304, seq_len=1024, d_model=1536, n_heads=16, n_layers=24, tie_embeddings=True),
+    "1.3b": GPTConfig(vocab_size=50304, seq_len=1024, d_model=2048, n_heads=32, n_layers=24, tie_embeddings=True),
+}
+
+
+def _dense(cfg: GPTConfig, n_in: int, n_out: int, rngs: nnx.Rngs, scale: float = 1.0) -> nnx.Linear:
+    init = nnx.initializers.normal(0.02 * scale)
+    return nnx.Linear(
+        n_in, n_out, kernel_init=init, dtype=cfg.dtype, param_dtype=cfg.param_dtype, precision="highest", rngs=rngs
+    )
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: causal self-attention, then an MLP."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        d = cfg.d_model
+        self.n_heads = cfg.n_heads
+        self.dtype = cfg.dtype
+        proj_scale = (2 * cfg.n_layers) ** -0.5  # GPT-2's scaled init of the residual projections
+        self.ln1 = nnx.LayerNorm(d, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+        self.qkv = _dense(cfg, d, 3 * d, rngs)
+        self.proj = _dense(cfg, d, d, rngs, proj_scale)
+        self.ln2 = nnx.LayerNorm(d, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+        self.fc = _dense(cfg, d, cfg.ff, rngs)
+        self.out = _dense(cfg, cfg.ff, d, rngs, proj_scale)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
+        heads = lambda a: a.reshape(b, t, self.n_heads, d // self.n_heads)
+        att = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        x = x + self.proj(att.reshape(b, t, d))
+        return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        init = nnx.initializers.normal(0.02)
+        kw = dict(embedding_init=init, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+        self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, **kw)
+        self.wpe = nnx.Embed(cfg.seq_len, cfg.d_model, **kw)
+        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.ln_f = nnx.LayerNorm(cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+        self.head = None if cfg.tie_embeddings else _dense(cfg, cfg.d_model, cfg.vocab_size, rngs)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        return self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))[None]
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        x = self.ln_f(x)
+        if self.head is None:
+            return self.wte.attend(x)
+        return self.head(x)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.logits(x)
+
+
+def next_token_loss(model: GPT, batch: dict) -> jax.Array:
+    """Mean cross-entropy of predicting `batch["tokens"][:, 1:]` (float32 math)."""
+    tokens = batch["tokens"]
+    logits = model(tokens[:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()

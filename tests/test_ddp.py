@@ -1,0 +1,285 @@
+"""DDP and ZeRO-1 against a single-device reference, on 8 simulated CPU devices.
+
+Tolerances (float32): the reference takes one mean over the global batch, DDP
+the mean of 8 per-device means (and accumulation adds micro-batch sums), so
+gradients differ by float32 rounding, ~1e-7 relative. Losses agree to 5e-6
+relative. Adam divides each gradient by its own running RMS, so on the few
+coordinates whose gradient is itself near rounding level that noise is not
+scaled down: one step can move them by a sizeable fraction of lr. Parameters
+therefore get two checks: every element within 3e-5 (3% of lr=1e-3, observed
+max 1.2e-5), and the mean difference within 5e-7. A real bug (sum instead of
+mean, a bucket left out, stale parameters, a skipped update) moves most
+coordinates by about lr per step and fails both by orders of magnitude.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hlo_schedule import entry_schedule, positions
+from meshes import cpu_mesh
+
+from jaxdist.ddp import DDP
+from jaxdist.train.gpt import GPT, GPTConfig, next_token_loss
+
+LR = 1e-3
+STEPS = 5
+LOSS_RTOL, PARAM_ATOL, PARAM_MEAN_ATOL = 5e-6, 3e-5, 5e-7
+
+
+class MLP(nnx.Module):
+    def __init__(self, n_layers: int, dim: int, rngs: nnx.Rngs):
+        self.layers = nnx.List([nnx.Linear(dim, dim, precision="highest", rngs=rngs) for _ in range(n_layers)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jnp.tanh(layer(x))
+        return x
+
+
+def mlp_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=2)
+
+
+def make_case(name: str, n_batches: int, batch_size: int = 16, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    if name == "gpt":
+        batches = [{"tokens": rng.integers(0, 64, (batch_size, 17)).astype(np.int32)} for _ in range(n_batches)]
+        return (lambda: GPT(GPT_CFG, nnx.Rngs(0))), next_token_loss, batches
+    batches = [
+        {
+            "x": rng.normal(size=(batch_size, 32)).astype(np.float32),
+            "y": rng.normal(size=(batch_size, 32)).astype(np.float32),
+        }
+        for _ in range(n_batches)
+    ]
+    return (lambda: MLP(4, 32, nnx.Rngs(0))), mlp_loss, batches
+
+
+def reference_run(make_model, loss_fn, batches, optimizer):
+    """Plain single-device training: one value_and_grad over the whole batch, then optax."""
+    graphdef, params, rest = nnx.split(make_model(), nnx.Param, ...)
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), batch))(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    device = jax.devices("cpu")[0]
+    params, opt_state = jax.device_put((params, opt_state), device)
+    losses = []
+    for batch in batches:
+        params, opt_state, loss = step(params, opt_state, jax.device_put(batch, device))
+        losses.append(float(loss))
+    return losses, params
+
+
+def ddp_run(cfg: DDP, make_model, loss_fn, batches, optimizer):
+    run = cfg.prepare(make_model(), optimizer, loss_fn, batches[0])
+    state, losses, metrics = run.state, [], []
+    for batch in batches:
+        state, m = run.step(state, batch)
+        losses.append(float(m["loss"]))
+        metrics.append(m)
+    return losses, run.params(state), run, state, metrics
+
+
+def assert_params_close(actual, expected, atol=PARAM_ATOL):
+    a, e = jax.tree.leaves(actual), jax.tree.leaves(expected)
+    assert len(a) == len(e)
+    for x, y in zip(a, e, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=atol)
+    diffs = np.concatenate([np.abs(np.asarray(x) - np.asarray(y)).ravel() for x, y in zip(a, e, strict=True)])
+    assert diffs.mean() < PARAM_MEAN_ATOL, diffs.mean()
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return cpu_mesh((8,), ("dp",))
+
+
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(LR),
+    # not scale-invariant like Adam, so a gradient off by a constant factor fails too
+    "sgd-momentum": lambda: optax.sgd(0.5, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+@pytest.mark.parametrize("zero1", [False, True], ids=["ddp", "zero1"])
+def test_matches_single_device(mesh, model, zero1, opt):
+    make_model, loss_fn, batches = make_case(model, STEPS)
+    ref_losses, ref_params = reference_run(make_model, loss_fn, batches, OPTIMIZERS[opt]())
+    losses, params, run, _, _ = ddp_run(
+        DDP(mesh, zero1=zero1, bucket_size=1000), make_model, loss_fn, batches, OPTIMIZERS[opt]()
+    )
+    assert len(run.layout) >= 3  # several buckets, so the overlap machinery is exercised
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    assert_params_close(params, ref_params)
+    # the parameters moved: a step that silently did nothing would fail above, but make it explicit
+    initial = nnx.state(make_model(), nnx.Param)
+    pairs = zip(jax.tree.leaves(params), jax.tree.leaves(initial), strict=True)
+    moved = [float(jnp.max(jnp.abs(a - b))) for a, b in pairs]
+    assert max(moved) > 1e-3
+
+
+@pytest.mark.parametrize("average_in_collective", [True, False], ids=["mean", "prescale-sum"])
+@pytest.mark.parametrize("zero1", [False, True], ids=["ddp", "zero1"])
+def test_gradient_sync_gives_exact_average(mesh, zero1, average_in_collective):
+    """Every element's gradient on rank r is r+1 (all ones times a per-rank weight); SGD(lr=1) then
+    moves every parameter by exactly the average, (1 + ... + 8) / 8 = 4.5."""
+    make_model, _, _ = make_case("mlp", 1)
+
+    def loss(model, batch):  # d loss / d p = mean(batch["w"]) for every element
+        total = sum(jnp.sum(p) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        return jnp.mean(batch["w"]) * total
+
+    batch = {"w": np.repeat(np.arange(1, 9, dtype=np.float32), 2)}  # 2 samples per rank, rank r gets r+1
+    cfg = DDP(mesh, zero1=zero1, bucket_size=1000, average_in_collective=average_in_collective)
+    run = cfg.prepare(make_model(), optax.sgd(1.0), loss, batch)
+    before = run.params(run.state)
+    before = jax.tree.map(np.asarray, before)
+    state, _ = run.step(run.state, batch)
+    after = run.params(state)
+    for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b - np.float32(4.5))  # sgd: p + (-1.0 * g), in float32
+
+
+def test_all_ones_gradient_stays_one(mesh):
+    make_model, _, _ = make_case("mlp", 1)
+
+    def loss(model, batch):
+        return sum(jnp.sum(p) for p in jax.tree.leaves(nnx.state(model, nnx.Param))) + 0 * jnp.sum(batch["w"])
+
+    for zero1 in (False, True):
+        for avg in (True, False):
+            run = DDP(mesh, zero1=zero1, average_in_collective=avg).prepare(
+                make_model(), optax.sgd(1.0), loss, {"w": np.ones(8, np.float32)}
+            )
+            before = jax.tree.map(np.asarray, run.params(run.state))
+            state, m = run.step(run.state, {"w": np.ones(8, np.float32)})
+            for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(run.params(state)), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), b - np.float32(1.0))
+            n = sum(x.size for x in jax.tree.leaves(before))
+            assert float(m["grad_norm"]) == pytest.approx(np.sqrt(n), rel=1e-6)
+
+
+def test_zero1_shards_the_optimizer_state(mesh):
+    make_model, loss_fn, batches = make_case("gpt", 1)
+    sizes = {}
+    for zero1 in (False, True):
+        run = DDP(mesh, zero1=zero1, bucket_size=2000).prepare(make_model(), optax.adam(LR), loss_fn, batches[0])
+        leaves = [x for x in jax.tree.leaves(run.state.opt_state) if x.ndim >= 1]
+        total = sum(x.nbytes for x in leaves)
+        per_device = sum(x.addressable_shards[0].data.nbytes for x in leaves)
+        sizes[zero1] = (total, per_device)
+        if zero1:
+            for x in leaves:  # read from the arrays: each device holds a distinct 1/8 slice
+                starts = sorted(s.index[0].start for s in x.addressable_shards)
+                assert len(set(starts)) == 8 and x.addressable_shards[0].data.shape[0] * 8 == x.shape[0]
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(make_model(), nnx.Param)))
+    assert sizes[False][1] == sizes[False][0] == 2 * 4 * n_params  # adam's mu and nu, replicated
+    total, per_device = sizes[True]
+    assert per_device * 8 == total  # 1/dp per device
+    assert total >= 2 * 4 * n_params  # bucket padding only adds
+
+
+def test_accumulation_equals_one_big_batch(mesh):
+    make_model, loss_fn, batches = make_case("mlp", 3, batch_size=32)
+    ref_losses, ref_params = reference_run(make_model, loss_fn, batches, optax.adam(LR))
+    for zero1 in (False, True):
+        cfg = DDP(mesh, zero1=zero1, bucket_size=2000, accumulation_steps=4)
+        losses, params, *_ = ddp_run(cfg, make_model, loss_fn, batches, optax.adam(LR))
+        np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+        assert_params_close(params, ref_params)
+
+
+@pytest.mark.parametrize("zero1", [False, True], ids=["ddp", "zero1"])
+def test_nonfinite_gradient_skips_the_step_and_reports_it(mesh, zero1):
+    make_model, loss_fn, batches = make_case("mlp", 4)
+    poisoned = [dict(b) for b in batches]
+    poisoned[1]["x"] = poisoned[1]["x"].copy()
+    poisoned[1]["x"][5, 3] = np.nan  # one sample on one rank
+    run = DDP(mesh, zero1=zero1, bucket_size=2000).prepare(make_model(), optax.adam(LR), loss_fn, batches[0])
+    state = run.state
+    state, m0 = run.step(state, poisoned[0])
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    state, m1 = run.step(state, poisoned[1])
+    assert not bool(m0["skipped"]) and bool(m1["skipped"])
+    assert not np.isfinite(float(m1["grad_norm"]))
+    for b, a in zip(jax.tree.leaves(before), jax.tree.leaves((state.params, state.opt_state)), strict=True):
+        np.testing.assert_array_equal(b, np.asarray(a))  # nothing changed, nothing corrupted
+    for batch in poisoned[2:]:
+        state, m = run.step(state, batch)
+        assert not bool(m["skipped"])
+    # equal to a run that never saw the poisoned batch
+    ref_losses, ref_params = reference_run(make_model, loss_fn, [batches[0], *batches[2:]], optax.adam(LR))
+    assert_params_close(run.params(state), ref_params)
+
+
+def _mlp_schedule(mesh, zero1: bool):
+    make_model = lambda: MLP(6, 32, nnx.Rngs(0))
+    batch = {"x": np.ones((16, 32), np.float32), "y": np.ones((16, 32), np.float32)}
+    run = DDP(mesh, zero1=zero1, bucket_size=1000).prepare(make_model(), optax.adam(LR), mlp_loss, batch)
+    assert len(run.layout) == 6  # one bucket per layer
+    return entry_schedule(run.step.lower(run.state, batch).compile().as_text())
+
+
+def test_bucket_reductions_overlap_backward_in_the_schedule(mesh):
+    sched = _mlp_schedule(mesh, zero1=False)
+    matmuls = positions(sched, "matmul")
+    reductions = positions(sched, "all-reduce", "1152]")  # bucket-sized all-reduces (1088 used -> 1152)
+    assert reductions, sched
+    # the first bucket is reduced while backward still has matmuls to run (at least 2 layers' worth)
+    assert sum(m > reductions[0] for m in matmuls) >= 4
+    # and reductions are spread through backward, not bunched at the end
+    assert len({sum(m < r for m in matmuls) for r in reductions}) >= 3
+
+
+def test_zero1_gathers_overlap_forward_and_scatters_overlap_backward(mesh):
+    sched = _mlp_schedule(mesh, zero1=True)
+    matmuls = positions(sched, "matmul")
+    gathers = positions(sched, "all-gather", "1152]")
+    scatters = positions(sched, "reduce-scatter", "144]")
+    assert len(gathers) == 6 and len(scatters) == 6
+    # the last bucket's gather comes after the first forward matmul, each gather one layer ahead
+    assert gathers[-1] > matmuls[0]
+    assert [sum(m < g for m in matmuls) for g in gathers] == [0, 1, 2, 3, 4, 5]
+    # the first gradient bucket is reduce-scattered before the last backward matmul
+    assert scatters[0] < matmuls[-1]
+    assert sum(m > scatters[0] for m in matmuls) >= 4
+
+
+def test_bad_configuration_raises(mesh):
+    make_model, loss_fn, batches = make_case("mlp", 1, batch_size=12)
+    with pytest.raises(ValueError, match="axis 'data' is not a mesh axis"):
+        DDP(mesh, axis="data")
+    with pytest.raises(ValueError, match="divisible by dp \\* accumulation_steps = 8"):
+        DDP(mesh).prepare(make_model(), optax.adam(LR), loss_fn, batches[0])
+    with pytest.raises(ValueError, match="accumulation_steps"):
+        DDP(mesh, accumulation_steps=0)
+
+
+@pytest.mark.parametrize("zero1", [False, True], ids=["ddp", "zero1"])
+def test_clipping_and_overlap_off_match_optax_clip(mesh, zero1):
+    """max_grad_norm clips by the global norm of the reduced gradient, like optax.clip_by_global_norm
+    on one device, also when each rank only holds a shard (zero1); turning overlap off changes nothing."""
+    make_model, loss_fn, batches = make_case("gpt", 3)
+    ref_losses, ref_params = reference_run(
+        make_model, loss_fn, batches, optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.5, momentum=0.9))
+    )
+    cfg = DDP(
+        mesh, zero1=zero1, bucket_size=1000, max_grad_norm=0.05, overlap_grad_reduce=False, overlap_param_gather=False
+    )
+    losses, params, _, _, metrics = ddp_run(cfg, make_model, loss_fn, batches, optax.sgd(0.5, momentum=0.9))
+    assert float(metrics[0]["grad_norm"]) > 0.05  # the clip is active
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    assert_params_close(params, ref_params)
