@@ -7,12 +7,16 @@ the same arguments and give the same results; the public functions in
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxdist.comm._sequence import sequence
 
 BACKEND_ENV = "JAXDIST_COMM_BACKEND"
 BACKEND_NAMES = ("xla", "nccl")
@@ -37,6 +41,16 @@ class Backend:
         """End the op begun by `start`; return its result."""
         return buffers[0]
 
+    def issued(self, buffers: tuple, token):
+        """Tie the token after a start to the op's issue, where the backend can express it.
+
+        Here (the xla backend): on CPU, where collectives are synchronous, the
+        token follows the collective; on GPU/TPU it does not, since tying it
+        would also force completion and XLA's async collective passes pick the
+        issue point themselves.
+        """
+        return sequence(buffers, token, cpu_only=True)
+
 
 def floating_and_int_dtypes() -> tuple[Any, ...]:
     return (
@@ -59,6 +73,28 @@ def scale_mean(total: jax.Array, size: int) -> jax.Array:
 
 
 _default: str | None = None
+_site: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxdist_comm_site", default=None)
+
+
+@contextlib.contextmanager
+def op_site(name: str):
+    """Name the async ops started inside as one call site.
+
+    A loop that is partly unrolled and partly a `scan` starts the "same" op
+    from several traced places; naming the site keeps their handles of one
+    type, so a handle started before a scan can be waited inside it. (With
+    the nccl backend, ops of one site share a completion event; the side
+    stream runs them in order, so a wait is never early, only at worst later.)
+    """
+    token = _site.set(name)
+    try:
+        yield
+    finally:
+        _site.reset(token)
+
+
+def current_site() -> str | None:
+    return _site.get()
 
 
 def set_default_backend(name: str) -> None:

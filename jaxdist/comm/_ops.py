@@ -3,8 +3,10 @@
 Sequencing is data flow. An op's input passes through an optimization barrier
 together with the incoming token, so the op cannot begin before everything
 earlier on the chain; its result passes through another barrier with the token,
-so everything later on the chain waits for it. An async start returns the token
-straight after issuing, which is what lets later compute overlap it.
+so everything later on the chain waits for it. An async start returns a token
+that follows the op's issue, not its completion (see `Backend.issued`), which
+is what lets later compute overlap it and lets code tied to that token run only
+after the op was issued.
 """
 
 from __future__ import annotations
@@ -69,8 +71,9 @@ def _start(kind, x, axis_name, tok, backend, **params):
     be, params = _prepare(kind, x, axis_name, tok, backend, **params)
     x, tok = _sequenced(x, tok)
     buffers = be.start(kind, x, axis_name, params)  # may add what its finish needs to params
+    buffers, value = be.issued(tuple(buffers), tok.value)
     frozen = tuple(sorted({**params, "axis_name": axis_name}.items()))
-    return Handle(buffers, kind, tok.chain, be.name, frozen), tok
+    return Handle(buffers, kind, tok.chain, be.name, frozen), Token(value, tok.chain)
 
 
 def all_gather(x, axis_name, token: Token, *, axis: int = 0, tiled: bool = True, backend: str | None = None):

@@ -28,20 +28,24 @@ sequence_p = Primitive("jaxdist_sequence")
 sequence_p.multiple_results = True
 
 
-def sequence(values: tuple, token: jax.Array) -> tuple[tuple, jax.Array]:
-    """Tie `values` (a tuple of arrays) and `token` (a uint8 scalar) together."""
+def sequence(values: tuple, token: jax.Array, *, cpu_only: bool = False) -> tuple[tuple, jax.Array]:
+    """Tie `values` (a tuple of arrays) and `token` (a uint8 scalar) together.
+
+    With `cpu_only=True` the tie exists on CPU only and is the identity on
+    other platforms (see `Backend.issued`).
+    """
     if not values:
         return values, token
-    *out, new_token = sequence_p.bind(*values, token)
+    *out, new_token = sequence_p.bind(*values, token, cpu_only=cpu_only)
     return tuple(out), new_token
 
 
 @sequence_p.def_abstract_eval
-def _abstract_eval(*avals):
+def _abstract_eval(*avals, cpu_only):
     return list(avals)
 
 
-def _cpu_tie(*args):
+def _cpu_tie(*args, cpu_only=False):
     *values, token = args
     # The token is kept in {0, 1}, so `token == 255` is never true, but XLA cannot know that.
     never = token == 255
@@ -59,11 +63,11 @@ def _flip(v):
     return ~v if v.dtype == jnp.bool_ else -v
 
 
-def _lower_barrier(ctx, *args):
-    return hlo_optimization_barrier(args)
+def _lower_barrier(ctx, *args, cpu_only):
+    return list(args) if cpu_only else hlo_optimization_barrier(args)
 
 
-def _lower_cpu(ctx, *args):
+def _lower_cpu(ctx, *args, cpu_only):
     args = hlo_optimization_barrier(args)
     return mlir.lower_fun(_cpu_tie, multiple_results=True)(ctx, *args)
 
@@ -72,17 +76,17 @@ mlir.register_lowering(sequence_p, _lower_barrier)
 mlir.register_lowering(sequence_p, _lower_cpu, platform="cpu")
 
 
-def _jvp(primals, tangents):
+def _jvp(primals, tangents, cpu_only):
     # Tangents need no ordering of their own: they pass straight through,
     # which keeps the rule linear and transposable.
-    return sequence_p.bind(*primals), list(tangents)
+    return sequence_p.bind(*primals, cpu_only=cpu_only), list(tangents)
 
 
 ad.primitive_jvps[sequence_p] = _jvp
 
 
-def _batch(args, dims):
-    return sequence_p.bind(*args), list(dims)
+def _batch(args, dims, cpu_only):
+    return sequence_p.bind(*args, cpu_only=cpu_only), list(dims)
 
 
 batching.primitive_batchers[sequence_p] = _batch

@@ -28,7 +28,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxdist import _native
-from jaxdist.comm._backend import Backend, floating_and_int_dtypes
+from jaxdist.comm._backend import Backend, current_site, floating_and_int_dtypes
+from jaxdist.comm._sequence import sequence
 
 NCCL_LIBRARY_ENV = "JAXDIST_NCCL_LIBRARY"
 TIMEOUT_ENV = "JAXDIST_NCCL_TIMEOUT_S"
@@ -205,6 +206,7 @@ def _comm_key(axis_name) -> int:
 # -- the backend ---------------------------------------------------------------
 
 _op_ids = itertools.count(1)
+_site_ids: dict[str, int] = {}
 _NO_PERM = np.zeros((0,), np.int64)
 
 
@@ -265,7 +267,8 @@ class NcclBackend(Backend):
 
     def start(self, kind, x, axis_name, params):
         xt, shape = self._layout(kind, x, params)
-        params["op_id"] = next(_op_ids)
+        site = current_site()
+        params["op_id"] = _site_ids.setdefault(site, next(_op_ids)) if site else next(_op_ids)
         outs = (jax.ShapeDtypeStruct(xt.shape, xt.dtype), jax.ShapeDtypeStruct(shape, x.dtype))
         # Result 0 aliases the input: XLA keeps the input alive until wait.
         return tuple(
@@ -278,6 +281,11 @@ class NcclBackend(Backend):
                 **self._op_attrs(kind, axis_name, params),
             )
         )
+
+    def issued(self, buffers, token):
+        # The start's outputs exist once NCCL is enqueued on the side stream, so this ties
+        # the token to the issue (not to completion) at no cost.
+        return sequence(buffers, token)
 
     def finish(self, kind, buffers, axis_name, params):
         x_alias, y = buffers

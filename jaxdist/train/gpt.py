@@ -108,8 +108,20 @@ class GPT(nnx.Module):
         return self.logits(x)
 
 
+def embed_inputs(model: GPT, batch: dict) -> jax.Array:
+    """The first unit: embeddings of every token but the last."""
+    return model.embed(batch["tokens"][:, :-1])
+
+
+def head_loss(model: GPT, x: jax.Array, batch: dict) -> jax.Array:
+    """The last unit: mean cross-entropy of predicting `batch["tokens"][:, 1:]` (float32 math)."""
+    logits = model.logits(x).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+
+
 def next_token_loss(model: GPT, batch: dict) -> jax.Array:
-    """Mean cross-entropy of predicting `batch["tokens"][:, 1:]` (float32 math)."""
-    tokens = batch["tokens"]
-    logits = model(tokens[:, :-1]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    """The whole model's loss: `head_loss` after the blocks after `embed_inputs`."""
+    x = embed_inputs(model, batch)
+    for block in model.blocks:
+        x = block(x)
+    return head_loss(model, x, batch)

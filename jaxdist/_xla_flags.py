@@ -1,0 +1,31 @@
+"""XLA flags jaxdist sets by default, before JAX starts its backends.
+
+* `--xla_cpu_copy_insertion_use_region_analysis=true`: without it, XLA's CPU
+  compiler copies every buffer a `while` loop updates in place when the loop
+  also reads it elsewhere, so FSDP's `update_in_backward` would hold a second
+  copy of the block state and its temp memory would grow with depth.
+
+Flags already in `XLA_FLAGS` are left as the user set them; set
+`JAXDIST_XLA_FLAGS=0` to add none. They only take effect when jaxdist is
+imported before JAX initializes its backends (before the first `jax.devices()`
+or computation).
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULT_FLAGS = {
+    "--xla_cpu_copy_insertion_use_region_analysis": "true",
+}
+OPT_OUT_ENV = "JAXDIST_XLA_FLAGS"
+
+
+def apply_default_flags() -> None:
+    if os.environ.get(OPT_OUT_ENV, "1") == "0":
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    present = {f.split("=")[0] for f in flags.split()}
+    extra = [f"{k}={v}" for k, v in DEFAULT_FLAGS.items() if k not in present]
+    if extra:
+        os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()

@@ -1,0 +1,228 @@
+"""FSDP against a single-device reference and against DDP, on 8 simulated CPU devices.
+
+Tolerances are those of tests/test_ddp.py and for the same reason (float32
+rounding of a mean of per-device means, seen through Adam).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hlo_schedule import entry_schedule, positions
+from meshes import cpu_mesh
+from test_ddp import LOSS_RTOL, assert_params_close, reference_run
+
+from jaxdist.ddp import DDP
+from jaxdist.fsdp import FSDP, Units
+from jaxdist.train.gpt import GPT, GPTConfig, embed_inputs, head_loss, next_token_loss
+from jaxdist.xla_auto import AutoShardedRun
+
+UNITS = Units(embed_inputs, head_loss)
+CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=5)
+STEPS = 5
+
+
+def batches(n: int, batch_size: int = 16, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [{"tokens": rng.integers(0, 64, (batch_size, 17)).astype(np.int32)} for _ in range(n)]
+
+
+def run_fsdp(cfg: FSDP, model_cfg: GPTConfig, data, optimizer=None):
+    run = cfg.prepare(GPT(model_cfg, nnx.Rngs(0)), optimizer or optax.adam(1e-3), UNITS, data[0])
+    state, losses = run.state, []
+    for batch in data:
+        state, m = run.step(state, batch)
+        losses.append(float(m["loss"]))
+    return losses, run.params(state), run, state
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return cpu_mesh((8,), ("fsdp",))
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Single-device and DDP runs of the same 5 steps, for every tie_embeddings setting."""
+    out = {}
+    data = batches(STEPS)
+    for tie in (False, True):
+        cfg = dataclasses.replace(CFG, tie_embeddings=tie)
+        make = lambda cfg=cfg: GPT(cfg, nnx.Rngs(0))
+        single = reference_run(make, next_token_loss, data, optax.adam(1e-3))
+        ddp_mesh = cpu_mesh((8,), ("dp",))
+        run = DDP(ddp_mesh, bucket_size=5000).prepare(make(), optax.adam(1e-3), next_token_loss, data[0])
+        state, losses = run.state, []
+        for batch in data:
+            state, m = run.step(state, batch)
+            losses.append(float(m["loss"]))
+        out[tie] = {"single": single, "ddp": (losses, run.params(state))}
+    return out
+
+
+@pytest.mark.parametrize("buffers", [2, 3])
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep"])
+def test_matches_single_device_and_ddp(mesh, references, buffers, reshard_after_forward):
+    cfg = FSDP(mesh, buffers=buffers, prefetch=buffers - 1, reshard_after_forward=reshard_after_forward)
+    losses, params, *_ = run_fsdp(cfg, CFG, batches(STEPS))
+    for name in ("single", "ddp"):
+        ref_losses, ref_params = references[False][name]
+        np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL, err_msg=name)
+        assert_params_close(params, ref_params)
+    assert len(set(losses)) == STEPS
+
+
+def test_tied_embeddings_match(mesh, references):
+    """The tied embedding is read by the first and the last unit: its two gradients are summed."""
+    losses, params, run, _ = run_fsdp(FSDP(mesh), dataclasses.replace(CFG, tie_embeddings=True), batches(STEPS))
+    assert run.tied  # the head really re-gathers the embedding unit
+    ref_losses, ref_params = references[True]["single"]
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    assert_params_close(params, ref_params)
+
+
+def test_update_in_backward_matches_the_ordinary_update(mesh, references):
+    data = batches(STEPS)
+    losses, params, run, state = run_fsdp(FSDP(mesh, update_in_backward=True, skip_nonfinite=False), CFG, data)
+    ordinary_losses, ordinary_params, *_ = run_fsdp(FSDP(mesh), CFG, data)
+    np.testing.assert_allclose(losses, ordinary_losses, rtol=1e-6)
+    assert_params_close(params, ordinary_params, atol=1e-6)
+    ref_losses, ref_params = references[False]["single"]
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    assert_params_close(params, ref_params)
+
+
+def test_hsdp_shards_over_fsdp_and_replicates_over_dp(references):
+    mesh = cpu_mesh((2, 4), ("dp", "fsdp"))
+    losses, params, run, state = run_fsdp(FSDP(mesh, dp_axis="dp"), CFG, batches(STEPS))
+    ref_losses, ref_params = references[False]["single"]
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    assert_params_close(params, ref_params)
+    blocks = state.params["blocks"]  # (L, S) split 4 ways over fsdp, the same on both dp rows
+    assert blocks.addressable_shards[0].data.shape == (CFG.n_layers, blocks.shape[1] // 4)
+
+
+def test_parameters_and_optimizer_state_are_one_fsdp_th_per_device(mesh):
+    run = FSDP(mesh).prepare(GPT(CFG, nnx.Rngs(0)), optax.adam(1e-3), UNITS, batches(1)[0])
+    arrays = [x for x in jax.tree.leaves((run.state.params, run.state.opt_state)) if x.size > CFG.n_layers]
+    total = sum(x.nbytes for x in arrays)
+    per_device = sum(x.addressable_shards[0].data.nbytes for x in arrays)
+    assert per_device * 8 == total
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(GPT(CFG, nnx.Rngs(0)), nnx.Param)))
+    assert total >= 3 * 4 * n_params  # parameters, mu and nu (plus padding)
+
+
+MEM_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=128, n_heads=2, n_layers=4)
+
+
+def _temp_bytes(run, batch) -> int:
+    return run.step.lower(run.state, batch).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.fixture(scope="module")
+def memory(mesh):
+    """Peak temp memory at depth 4 and 16 (activations per block: 2x16x128 floats, held fixed)."""
+    batch = batches(1)[0]
+    out = {}
+    for depth in (4, 16):
+        model_cfg = dataclasses.replace(MEM_CFG, n_layers=depth)
+        for name, cfg in {
+            "fsdp": FSDP(mesh),
+            "update_in_backward": FSDP(mesh, update_in_backward=True, skip_nonfinite=False),
+        }.items():
+            run = cfg.prepare(GPT(model_cfg, nnx.Rngs(0)), optax.adam(1e-3), UNITS, batch)
+            out[name, depth] = _temp_bytes(run, batch)
+            out["unit_bytes"] = run.block_bucket.size * 4
+        model = GPT(model_cfg, nnx.Rngs(0))
+        auto = AutoShardedRun(mesh, model, optax.adam(1e-3), next_token_loss, batch_axes=("fsdp",), shard_axis="fsdp")
+        out["xla_auto", depth] = _temp_bytes(auto, batch)
+    return out
+
+
+def test_temp_memory_grows_only_by_activations_and_gradient_shards(memory):
+    unit = memory["unit_bytes"]  # one gathered block
+    per_layer = (memory["fsdp", 16] - memory["fsdp", 4]) / 12
+    activation = 2 * 16 * 128 * 4  # the block input kept for backward
+    grad_shard = unit / 8  # the block's reduce-scattered gradient
+    # each extra layer costs its saved input and its gradient shard, not a gathered unit
+    assert per_layer <= 1.1 * (activation + grad_shard), (per_layer, activation, grad_shard)
+    assert per_layer < unit / 4
+    # XLA's automatic FSDP of the same model, side by side: it keeps more per layer
+    auto_per_layer = (memory["xla_auto", 16] - memory["xla_auto", 4]) / 12
+    assert memory["fsdp", 16] < memory["xla_auto", 16], memory
+    assert per_layer < auto_per_layer, memory
+
+
+def test_update_in_backward_temp_memory_does_not_grow_with_depth(memory):
+    """Without the sharded gradients of all units at once, only the saved activations grow."""
+    growth = memory["update_in_backward", 16] - memory["update_in_backward", 4]
+    activations = 12 * 2 * 16 * 128 * 4
+    assert growth <= activations + 0.02 * memory["update_in_backward", 4], memory
+
+
+def test_schedule_gathers_one_unit_ahead_and_scatters_behind(mesh):
+    run = FSDP(mesh, unroll=True).prepare(
+        GPT(dataclasses.replace(CFG, n_layers=4), nnx.Rngs(0)), optax.adam(1e-3), UNITS, batches(1)[0]
+    )
+    unit = f"f32[{run.block_bucket.size}]"
+    shard = f"f32[{run.block_bucket.size // 8}]"
+    sched = entry_schedule(run.step.lower(run.state, batches(1)[0]).compile().as_text())
+    matmuls = positions(sched, "matmul")
+    before = lambda i: sum(m < i for m in matmuls)
+    gathers = positions(sched, "all-gather", unit)
+    scatters = positions(sched, "reduce-scatter", shard)
+    assert len(gathers) == 8 and len(scatters) == 4  # 4 blocks gathered in forward and again in backward
+    fwd = [before(g) for g in gathers[:4]]
+    per_block = fwd[2] - fwd[1]
+    assert per_block > 0
+    # units 0 and 1 are gathered before unit 0 computes; unit i+1's gather comes after unit i-1's
+    # matmuls and before unit i's
+    assert fwd == [0, 0, per_block, 2 * per_block]
+    # backward: unit i's gradients are reduce-scattered after its backward matmuls and before
+    # unit i-1's: equal spacing, one unit's matmuls apart
+    bwd = [before(s) for s in scatters]
+    steps = {b - a for a, b in zip(bwd, bwd[1:], strict=False)}
+    assert len(steps) == 1 and steps.pop() > 0
+    assert bwd[-1] == len(matmuls)  # the last scatter follows the last block's matmuls
+    # and each backward re-gather of the next unit comes before the current unit's matmuls
+    bwd_gathers = [before(g) for g in gathers[4:]]
+    assert bwd_gathers[0] == bwd_gathers[1] < bwd[0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"buffers": 2, "prefetch": 2}, "prefetch=2 keeps 3 gathered units alive but buffers=2"),
+        ({"buffers": 1}, "buffers must be an int >= 2"),
+        ({"update_in_backward": True, "max_grad_norm": 1.0}, "cannot clip"),
+        ({"update_in_backward": True, "skip_nonfinite": True}, "cannot skip"),
+        ({"axis": "tp"}, "axis 'tp' is not a mesh axis"),
+    ],
+)
+def test_bad_options_raise_before_anything_runs(mesh, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FSDP(mesh, **kwargs)
+
+
+def test_bad_model_or_batch_raise(mesh):
+    with pytest.raises(ValueError, match="divisible by the 8 devices"):
+        FSDP(mesh).prepare(GPT(CFG, nnx.Rngs(0)), optax.adam(1e-3), UNITS, batches(1, batch_size=12)[0])
+    with pytest.raises(ValueError, match="model.layers must be a non-empty list"):
+        FSDP(mesh).prepare(GPT(CFG, nnx.Rngs(0)), optax.adam(1e-3), Units(embed_inputs, head_loss, "layers"), {})
+
+
+def test_skips_a_nonfinite_step(mesh):
+    data = batches(3)
+    run = FSDP(mesh).prepare(GPT(CFG, nnx.Rngs(0)), optax.adam(1e-3), UNITS, data[0])
+    state, _ = run.step(run.state, data[0])
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    nan_loss = Units(embed_inputs, lambda m, x, b: head_loss(m, x, b) * jnp.nan)
+    bad = FSDP(mesh).prepare(GPT(CFG, nnx.Rngs(0)), optax.adam(1e-3), nan_loss, data[0])
+    state, m = bad.step(state, data[1])
+    assert bool(m["skipped"])
+    for b, a in zip(jax.tree.leaves(before), jax.tree.leaves((state.params, state.opt_state)), strict=True):
+        np.testing.assert_array_equal(b, np.asarray(a))
