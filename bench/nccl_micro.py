@@ -1,11 +1,19 @@
-"""Micro-benchmark of jaxdist.comm on the GPUs present: nccl vs xla backend.
+"""Micro-benchmark of jaxdist.comm on the GPUs present: per-call cost and bandwidth.
 
-Per-call cost is measured inside a jitted fori_loop of CALLS chained calls, so
-Python dispatch is amortized, next to an FFI handler that only copies the same
-bytes device to device (the floor of any FFI op) and an empty loop. Small
-messages give latency, large ones bandwidth. Prints a table last.
+Each variant is one jitted program of CALLS chained calls, unrolled (no loop,
+so no per-iteration host sync), on an 8-byte (latency) or 64 MiB (bandwidth)
+buffer. Variants are timed interleaved, rep after rep, so drift hits all of
+them alike; each figure is a median over reps, and "vs floor" is the median of
+the per-rep difference to `memcpy`, an FFI handler that only copies the same
+bytes device to device (the floor of any FFI op).
 
-    python bench/nccl_micro.py [--calls 100] [--reps 20]
+Rows: every nccl op (blocking and non-blocking communicators); the xla backend
+(2+ GPUs: XLA removes one-device collectives); `all_reduce ungrouped`, the same
+all-reduce without ncclGroupStart/End around it (benchmark-only target), whose
+difference is the group's cost; non-blocking rows with the poll in "spin" mode
+next to the default "yield". Results are appended to bench/RESULTS.md by hand.
+
+    python bench/nccl_micro.py [--calls 64] [--reps 30]
 """
 
 import argparse
@@ -21,101 +29,105 @@ from jaxdist import comm
 from jaxdist.comm import nccl
 
 
+def ungrouped_all_reduce(x, axis):
+    be = nccl.nccl_backend()
+    attrs = be._attrs("all_reduce", axis)
+    return jax.ffi.ffi_call("jaxdist_bench_ungrouped", jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True)(
+        x, **attrs
+    )
+
+
+def one_call(op, x, t, axis, n):
+    if op == "memcpy":
+        return jax.ffi.ffi_call("jaxdist_memcpy", jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True)(x), t
+    name, backend = op.split(":")
+    if name == "all_reduce_ungrouped":
+        return ungrouped_all_reduce(x, axis), t
+    if name == "all_reduce":
+        return comm.all_reduce(x, axis, t, backend=backend)
+    if name == "sendrecv":
+        return comm.sendrecv(x, axis, t, perm=[(i, (i + 1) % n) for i in range(n)], backend=backend)
+    if name == "all_gather":
+        y, t = comm.all_gather(x, axis, t, backend=backend)
+        return y[: x.shape[0]], t
+    if name == "reduce_scatter":
+        return comm.reduce_scatter(jnp.tile(x, n) if n > 1 else x, axis, t, backend=backend)
+    raise ValueError(op)
+
+
 def build(mesh, axis, op, calls):
     n = mesh.devices.size
 
-    def one(x, t):
-        if op == "empty":
-            return x + 1, t
-        if op == "memcpy":
-            return jax.ffi.ffi_call("jaxdist_memcpy", jax.ShapeDtypeStruct(x.shape, x.dtype))(x), t
-        name, backend, *mode = op.split(":")
-        if name == "all_reduce":
-            return comm.all_reduce(x, axis, t, backend=backend)
-        if name == "sendrecv":
-            return comm.sendrecv(x, axis, t, perm=[(i, (i + 1) % n) for i in range(n)], backend=backend)
-        if name == "all_gather":
-            y, t = comm.all_gather(x, axis, t, backend=backend)
-            return y[: x.shape[0]], t
-        if name == "reduce_scatter":
-            y, t = comm.reduce_scatter(jnp.tile(x, n), axis, t, backend=backend)
-            return y, t
-        raise ValueError(op)
-
     def body(x):
-        def step(i, c):
-            return one(*c)
-
-        x, t = jax.lax.fori_loop(0, calls, step, (x, comm.token()))
+        t = comm.token()
+        for _ in range(calls):
+            if op != "empty":
+                x, t = one_call(op, x, t, axis, n)
         return x
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis), check_vma=False))
 
 
-def seconds(f, x, reps):
+def timed(f, x) -> float:
+    t0 = time.perf_counter()
     f(x).block_until_ready()
-    best = []
+    return time.perf_counter() - t0
+
+
+def measure(programs: dict, x, reps: int) -> dict:
+    """Interleaved timing: one run of every program per rep."""
+    for f in programs.values():
+        f(x).block_until_ready()  # compile and warm up
+    times = {k: [] for k in programs}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        best.append(time.perf_counter() - t0)
-    return float(np.median(best))
+        for k, f in programs.items():
+            times[k].append(timed(f, x))
+    return {k: np.asarray(v) for k, v in times.items()}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--calls", type=int, default=100)
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--calls", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
     gpus = jax.devices("gpu")
     rows = []
-    for blocking in (True, False):
-        axis = "b" if blocking else "nb"
+    for mode in ("blocking", "non-blocking", "non-blocking spin"):
+        blocking = mode == "blocking"
+        axis = {"blocking": "b", "non-blocking": "nb", "non-blocking spin": "nb"}[mode]
         mesh = Mesh(np.asarray(gpus), (axis,), axis_types=(AxisType.Explicit,))
         nccl.init(mesh, blocking=blocking)
         nccl.wait_ready()
-        for nbytes in (8, 64 << 20):  # latency (8 B) and bandwidth (64 MiB)
+        nccl.set_poll_mode("spin" if mode.endswith("spin") else "yield")
+        for nbytes in (8, 64 << 20):
+            if mode.endswith("spin") and nbytes > 8:
+                continue
             x = jax.device_put(jnp.ones((len(gpus) * nbytes // 4,), jnp.float32), NamedSharding(mesh, P(axis)))
-            base = seconds(build(mesh, axis, "empty", args.calls), x, args.reps)
-            ops = [
-                "memcpy",
-                "all_reduce:nccl",
-                "all_reduce:xla",
-                "sendrecv:nccl",
-                "sendrecv:xla",
-                "all_gather:nccl",
-                "all_gather:xla",
-                "reduce_scatter:nccl",
-                "reduce_scatter:xla",
-            ]
+            ops = ["memcpy", "all_reduce:nccl", "sendrecv:nccl", "all_gather:nccl", "reduce_scatter:nccl"]
+            if blocking:
+                ops.append("all_reduce_ungrouped:nccl")
+            if len(gpus) > 1 and blocking:
+                ops += ["all_reduce:xla", "sendrecv:xla", "all_gather:xla", "reduce_scatter:xla"]
+            programs = {op: build(mesh, axis, op, args.calls) for op in ["empty", *ops]}
+            times = measure(programs, x, args.reps)
+            floor = times["memcpy"]
             for op in ops:
-                # XLA removes one-device collectives, so xla rows mean something only with 2+ GPUs
-                if op.endswith(":xla") and (not blocking or len(gpus) == 1):
-                    continue
-                t = seconds(build(mesh, axis, op, args.calls), x, args.reps)
-                per_call_us = (t - base) / args.calls * 1e6
-                rows.append(
-                    (
-                        op,
-                        "blocking" if blocking else "non-blocking",
-                        nbytes,
-                        per_call_us,
-                        nbytes / (t / args.calls) / 1e9,
-                    )
-                )
-            rows.append(
-                (
-                    "(loop step)",
-                    "blocking" if blocking else "non-blocking",
-                    nbytes,
-                    base / args.calls * 1e6,
-                    float("nan"),
-                )
-            )
-    print(f"\n{len(gpus)} x {gpus[0].device_kind}, jax {jax.__version__}, {args.calls} chained calls per loop")
-    print(f"{'op':24} {'mode':13} {'bytes/rank':>11} {'us/call above loop':>19} {'GB/s':>8}")
-    for op, mode, nbytes, us, gbs in rows:
-        print(f"{op:24} {mode:13} {nbytes:>11} {us:>19.2f} {gbs:>8.1f}")
+                per_call = np.median(times[op] - times["empty"]) / args.calls * 1e6
+                vs_floor = np.median(times[op] - floor) / args.calls * 1e6
+                spread = np.subtract(*np.percentile((times[op] - floor) / args.calls * 1e6, [75, 25]))
+                gbs = nbytes / (np.median(times[op]) / args.calls) / 1e9
+                rows.append((op, mode, nbytes, per_call, vs_floor, spread, gbs))
+            if blocking:
+                grouped, ungrouped = times["all_reduce:nccl"], times["all_reduce_ungrouped:nccl"]
+                cost = np.median(grouped - ungrouped) / args.calls * 1e6
+                rows.append(("(group start/end cost)", mode, nbytes, cost, float("nan"), float("nan"), float("nan")))
+    nccl.set_poll_mode("yield")
+    kind = gpus[0].device_kind
+    print(f"\n{len(gpus)} x {kind}, jax {jax.__version__}, {args.calls} unrolled calls, {args.reps} reps")
+    head = f"{'op':28} {'mode':18} {'bytes/rank':>10} {'us/call':>8} {'vs floor':>9} {'IQR':>6} {'GB/s':>7}"
+    print(head)
+    for op, mode, nbytes, us, vs, iqr, gbs in rows:
+        print(f"{op:28} {mode:18} {nbytes:>10} {us:>8.2f} {vs:>9.2f} {iqr:>6.2f} {gbs:>7.1f}")
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "jaxdist_comm_destroy": (c.c_int, [c.c_int64, c.c_char_p, c.c_int]),
         "jaxdist_set_timeout_ms": (None, [c.c_int64]),
         "jaxdist_set_debug_delay_us": (None, [c.c_int64]),
+        "jaxdist_set_poll_mode": (None, [c.c_int]),
         "jaxdist_test_issue": (
             c.c_int,
             [c.c_int64, c.c_int, c.c_int, c.c_int64, c.c_int, c.c_int, c.c_char_p, c.c_int],

@@ -152,6 +152,7 @@ int jaxdist_comm_destroy(int64_t key, char* err, int errlen) {
 
 void jaxdist_set_timeout_ms(int64_t ms) { SetTimeoutMs(ms); }
 void jaxdist_set_debug_delay_us(int64_t us) { SetDebugDelayUs(us); }
+void jaxdist_set_poll_mode(int mode) { SetPollMode(mode); }
 
 // The protocol without a GPU: issue `kind` on the communicator of (key,
 // device) with no stream and no data, exactly as a handler would. For tests

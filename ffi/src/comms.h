@@ -27,6 +27,8 @@ struct Comm {
 
 // Deadline for one poll loop, and the injected delay before each NCCL op.
 void SetTimeoutMs(int64_t ms);
+// How Poll waits in its first 500 us: 0 yields the CPU between polls, 1 spins.
+void SetPollMode(int mode);
 int64_t TimeoutMs();
 void SetDebugDelayUs(int64_t us);
 int64_t DebugDelayUs();
@@ -58,7 +60,9 @@ struct OpDesc {
 const char* OpName(OpKind kind);
 
 // Issues one op on `stream`: group start, the NCCL call(s), group end, poll.
-std::string Issue(const NcclApi& nccl, Comm& comm, const OpDesc& op, cudaStream_t stream);
+// `grouped=false` is the benchmark's measure of the group's cost: collectives on
+// blocking communicators only (it refuses the rest).
+std::string Issue(const NcclApi& nccl, Comm& comm, const OpDesc& op, cudaStream_t stream, bool grouped = true);
 
 // Registry of communicators: one per (key, local device). A key names one
 // mesh axis of one mesh; each device holds the communicator of its group.

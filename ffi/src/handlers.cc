@@ -9,6 +9,8 @@
 //                           its result aliases the start's output buffer.
 // jaxdist_memcpy            a device-to-device copy: the cost floor of any
 //                           FFI op, for the micro-benchmark.
+// jaxdist_bench_ungrouped   benchmark only: a collective without the group
+//                           around it, to measure what the group costs.
 //
 // None is marked command-buffer compatible: each call must run its host code.
 #include <unistd.h>
@@ -121,7 +123,7 @@ std::string Describe(OpDesc* op, int64_t kind, const Comm& comm, ffi::AnyBuffer 
 }
 
 // Delay hook, zero-fill of a rank that receives nothing, then the op.
-std::string Enqueue(const Env& env, const OpDesc& op, size_t y_bytes, CUstream stream) {
+std::string Enqueue(const Env& env, const OpDesc& op, size_t y_bytes, CUstream stream, bool grouped = true) {
   if (int64_t us = DebugDelayUs(); us > 0) {
     CUresult r = env.cuda->LaunchHostFunc(stream, SleepOnStream, reinterpret_cast<void*>(static_cast<intptr_t>(us)));
     if (r != CUDA_SUCCESS) return CudaError(*env.cuda, r, "cuLaunchHostFunc");
@@ -130,18 +132,31 @@ std::string Enqueue(const Env& env, const OpDesc& op, size_t y_bytes, CUstream s
     CUresult r = env.cuda->MemsetD8Async(reinterpret_cast<CUdeviceptr>(op.recv), 0, y_bytes, stream);
     if (r != CUDA_SUCCESS) return CudaError(*env.cuda, r, "cuMemsetD8Async");
   }
-  return Issue(*env.nccl, *env.comm, op, reinterpret_cast<cudaStream_t>(stream));
+  return Issue(*env.nccl, *env.comm, op, reinterpret_cast<cudaStream_t>(stream), grouped);
+}
+
+ffi::Error Collective(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, int64_t key,
+                      int64_t kind, int64_t redop, ffi::Span<const int64_t> src, ffi::Span<const int64_t> dst,
+                      bool grouped) {
+  Env env;
+  OpDesc op{};
+  std::string err = Lookup(device, key, &env);
+  if (err.empty()) err = Describe(&op, kind, *env.comm, x, y->untyped_data(), y->element_count(), redop, src, dst);
+  if (err.empty()) err = Enqueue(env, op, y->size_bytes(), reinterpret_cast<CUstream>(stream), grouped);
+  return err.empty() ? ffi::Error::Success() : Fail(err);
 }
 
 ffi::Error CollectiveImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                           int64_t key, int64_t kind, int64_t redop, ffi::Span<const int64_t> src,
                           ffi::Span<const int64_t> dst) {
-  Env env;
-  OpDesc op{};
-  std::string err = Lookup(device, key, &env);
-  if (err.empty()) err = Describe(&op, kind, *env.comm, x, y->untyped_data(), y->element_count(), redop, src, dst);
-  if (err.empty()) err = Enqueue(env, op, y->size_bytes(), reinterpret_cast<CUstream>(stream));
-  return err.empty() ? ffi::Error::Success() : Fail(err);
+  return Collective(stream, device, x, y, key, kind, redop, src, dst, true);
+}
+
+// Benchmark only: the same collective without ncclGroupStart/End around it.
+ffi::Error UngroupedImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                         int64_t key, int64_t kind, int64_t redop, ffi::Span<const int64_t> src,
+                         ffi::Span<const int64_t> dst) {
+  return Collective(stream, device, x, y, key, kind, redop, src, dst, false);
 }
 
 ffi::Error StartImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> x_alias,
@@ -198,6 +213,18 @@ ffi::Error MemcpyImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::An
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdist_nccl_collective, CollectiveImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("comm_key")
+                                  .Attr<int64_t>("kind")
+                                  .Attr<int64_t>("redop")
+                                  .Attr<ffi::Span<const int64_t>>("perm_src")
+                                  .Attr<ffi::Span<const int64_t>>("perm_dst"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdist_bench_ungrouped, UngroupedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()

@@ -37,7 +37,15 @@ DELAY_ENV = "JAXDIST_NCCL_DEBUG_DELAY_US"
 
 _KIND = {"all_reduce": 0, "all_gather": 1, "reduce_scatter": 2, "sendrecv": 3}
 _REDOP = {"sum": 0, "mean": 1, "max": 2, "min": 3}
-_TARGETS = ("jaxdist_nccl_collective", "jaxdist_nccl_start", "jaxdist_nccl_wait", "jaxdist_memcpy")
+_TARGETS = (
+    "jaxdist_nccl_collective",
+    "jaxdist_nccl_start",
+    "jaxdist_nccl_wait",
+    "jaxdist_memcpy",
+    "jaxdist_bench_ungrouped",
+)
+_POLL_MODES = {"yield": 0, "spin": 1}
+POLL_ENV = "JAXDIST_NCCL_POLL"
 
 
 def nccl_library_path() -> Path:
@@ -66,6 +74,7 @@ def load() -> ctypes.CDLL:
         raise _native.NativeLibraryError(str(e)) from None
     lib.jaxdist_set_timeout_ms(int(float(os.environ.get(TIMEOUT_ENV, "300")) * 1000))
     lib.jaxdist_set_debug_delay_us(int(os.environ.get(DELAY_ENV, "0")))
+    lib.jaxdist_set_poll_mode(_poll_mode(os.environ.get(POLL_ENV, "yield")))
     for name in _TARGETS:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="CUDA")
     return lib
@@ -74,6 +83,17 @@ def load() -> ctypes.CDLL:
 def set_timeout(seconds: float) -> None:
     """Deadline for every NCCL call to finish its enqueue (default 300 s)."""
     load().jaxdist_set_timeout_ms(int(seconds * 1000))
+
+
+def _poll_mode(name: str) -> int:
+    if name not in _POLL_MODES:
+        raise ValueError(f"unknown NCCL poll mode {name!r} (from ${POLL_ENV}?); choose one of {sorted(_POLL_MODES)}")
+    return _POLL_MODES[name]
+
+
+def set_poll_mode(mode: str) -> None:
+    """How a wait for NCCL spends its first 500 us: "yield" the CPU between polls (default) or "spin"."""
+    load().jaxdist_set_poll_mode(_poll_mode(mode))
 
 
 def set_debug_delay(microseconds: int) -> None:
