@@ -12,7 +12,9 @@ started only after the oldest one has been waited. There is no other path.
 
 The first and last `depth` iterations are unrolled (nothing to finish yet /
 nothing left to fetch) and the middle is one `lax.scan`; `unroll=True` unrolls
-everything (handy for reading a schedule).
+everything (handy for reading a schedule), and so does an op whose handles may
+not cross a loop boundary (the nccl backend's: XLA could copy the in-flight
+buffer as a loop carry before NCCL wrote it).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class AsyncOp:
     start: Callable
     wait: Callable
     name: str
+    crosses_loops: bool = True  # False: handles may not be carried through a scan (the nccl backend's)
 
 
 def pipelined_loop(
@@ -78,6 +81,8 @@ def pipelined_loop(
     """
     if depth < 1 or depth >= n + 1:
         raise ValueError(f"pipelined_loop: depth must be in 1..{n} for {n} units, got {depth}")
+    # a backend whose handles cannot be loop carries gets the whole loop unrolled
+    unroll = unroll or not all(op.crosses_loops for op in (fetch, emit) if op is not None)
     order = (lambda k: n - 1 - k) if reverse else (lambda k: k)
     stack = finish is None
     if stack:

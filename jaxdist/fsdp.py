@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import comm
 from jaxdist._pipeline import AsyncOp, pipelined_loop
 from jaxdist.buckets import Bucket, bucket_layout, pack_bucket, param_name, unpack_bucket
+from jaxdist.comm._backend import get_backend
 from jaxdist.ddp import TrainState
 
 
@@ -73,7 +74,8 @@ class FSDP:
       max_grad_norm: clip by the global gradient norm.
       skip_nonfinite: skip the update when a gradient is NaN/Inf (default:
         on, unless `update_in_backward`).
-      unroll: unroll the unit loops instead of using `lax.scan`.
+      unroll: unroll the unit loops instead of using `lax.scan` (always so with
+        the nccl backend, whose in-flight buffers must not be loop carries).
       backend: the `jaxdist.comm` backend.
     """
 
@@ -385,7 +387,11 @@ class FSDPRun:
             g = g if rdt is None else g.astype(rdt)
             return comm.reduce_scatter_start(g, cfg.axis, tok, op="mean", backend=cfg.backend)
 
-        return AsyncOp(gather_start, comm.wait, "fsdp.gather"), AsyncOp(scatter_start, comm.wait, "fsdp.scatter")
+        loops = get_backend(cfg.backend).handles_cross_loops
+        return (
+            AsyncOp(gather_start, comm.wait, "fsdp.gather", loops),
+            AsyncOp(scatter_start, comm.wait, "fsdp.scatter", loops),
+        )
 
     def _gather(self, x, tok):
         h, tok = self._ops()[0].start(x, tok)

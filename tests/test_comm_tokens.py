@@ -125,3 +125,27 @@ def test_gradients_flow_through_comm_ops():
 
     x = jax.device_put(jnp.arange(8.0), NamedSharding(MESH, P("x")))
     np.testing.assert_array_equal(np.asarray(jax.jit(jax.grad(loss))(x)), np.full(8, 8.0))
+
+
+def test_a_handle_knows_when_it_crossed_a_loop_boundary():
+    """The nccl backend refuses such handles (XLA may copy a loop carry before NCCL wrote it);
+    this checks the detection on the xla backend, which needs no refusal."""
+    mesh = cpu_mesh((8,), ("x",))
+    seen = {}
+
+    def body(v):
+        tok = comm.token()
+        h, tok = comm.all_gather_start(v, "x", tok)
+        seen["direct"] = h.crossed_boundary()
+
+        def step(carry, _):
+            seen["carried"] = carry.crossed_boundary()
+            return carry, None
+
+        carried, _ = jax.lax.scan(step, h, None, length=1)
+        y, tok = comm.wait(h, tok)
+        return y
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P(), check_vma=False))
+    f.lower(jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(mesh, P("x"))))
+    assert seen == {"direct": False, "carried": True}

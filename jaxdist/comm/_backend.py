@@ -41,6 +41,12 @@ class Backend:
         """End the op begun by `start`; return its result."""
         return buffers[0]
 
+    # Whether a handle of this backend may be carried across a scan/while boundary before its wait.
+    handles_cross_loops = True
+
+    def check_handle(self, handle) -> None:
+        """Raise if `handle` cannot be waited here (see NcclBackend)."""
+
     def issued(self, buffers: tuple, token):
         """Tie the token after a start to the op's issue, where the backend can express it.
 

@@ -150,6 +150,7 @@ def wait(handle: Handle, token: Token):
     """
     checks.check_token(token, "wait")
     checks.check_handle(handle, token)
+    get_backend(handle._backend).check_handle(handle)
     handle._waited = True
     params = dict(handle._params)
     axis_name = params.pop("axis_name")

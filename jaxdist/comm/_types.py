@@ -13,8 +13,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import get_opaque_trace_state
 
 DEFAULT_CHAIN = "default"
+_REBUILT = object()  # the trace of a handle rebuilt from pytree leaves: unknown
 
 
 @jax.tree_util.register_pytree_node_class
@@ -52,7 +54,7 @@ class Handle:
     result: `wait(handle, token)` is the only way to get it.
     """
 
-    __slots__ = ("_buffers", "_op", "_chain", "_backend", "_params", "_waited")
+    __slots__ = ("_buffers", "_op", "_chain", "_backend", "_params", "_waited", "_trace")
 
     def __init__(self, buffers: tuple, op: str, chain: str, backend: str, params: tuple):
         self._buffers = tuple(buffers)
@@ -61,6 +63,12 @@ class Handle:
         self._backend = backend
         self._params = params  # hashable (name, value) pairs the backend needs to finish
         self._waited = False
+        self._trace = get_opaque_trace_state(convention="jaxdist")  # where it was started
+
+    def crossed_boundary(self) -> bool:
+        """Whether the handle left the trace it was started in (a scan/while carry, a jit
+        boundary) or was rebuilt from its pytree leaves on the way here."""
+        return self._trace is _REBUILT or self._trace != get_opaque_trace_state(convention="jaxdist")
 
     @property
     def op(self) -> str:
@@ -75,7 +83,9 @@ class Handle:
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(tuple(children), *aux)
+        handle = cls(tuple(children), *aux)
+        handle._trace = _REBUILT
+        return handle
 
     def __repr__(self) -> str:
         return f"Handle(op={self._op!r}, chain={self._chain!r}, backend={self._backend!r})"

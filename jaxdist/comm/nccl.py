@@ -233,6 +233,9 @@ _NO_PERM = np.zeros((0,), np.int64)
 class NcclBackend(Backend):
     name = "nccl"
     dtypes = floating_and_int_dtypes()
+    # XLA sees a start's output as ready at once and may copy it (e.g. as a loop carry) while
+    # NCCL still writes it on the side stream: handles must be waited in the trace they began in.
+    handles_cross_loops = False
 
     def _call(self, target, outs, *args, aliases=None, **attrs):
         return jax.ffi.ffi_call(target, outs, has_side_effect=True, input_output_aliases=aliases or {})(*args, **attrs)
@@ -306,6 +309,15 @@ class NcclBackend(Backend):
         # The start's outputs exist once NCCL is enqueued on the side stream, so this ties
         # the token to the issue (not to completion) at no cost.
         return sequence(buffers, token)
+
+    def check_handle(self, handle) -> None:
+        if handle.crossed_boundary():
+            raise ValueError(
+                f"wait: this nccl {handle.op} handle crossed a scan/while/jit boundary (or was rebuilt from its "
+                "pytree leaves) between its start and this wait. XLA may copy such a buffer before NCCL has "
+                "written it, which would read stale data. Wait in the same loop iteration (jaxdist's own unit "
+                "loops unroll for this backend), or use backend='xla'."
+            )
 
     def finish(self, kind, buffers, axis_name, params):
         x_alias, y = buffers
