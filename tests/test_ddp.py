@@ -6,8 +6,9 @@ gradients differ by float32 rounding, ~1e-7 relative. Losses agree to 5e-6
 relative. Adam divides each gradient by its own running RMS, so on the few
 coordinates whose gradient is itself near rounding level that noise is not
 scaled down: one step can move them by a sizeable fraction of lr. Parameters
-therefore get two checks: every element within 3e-5 (3% of lr=1e-3, observed
-max 1.2e-5), and the mean difference within 5e-7. A real bug (sum instead of
+therefore get two checks: every element within 1e-4 (10% of lr=1e-3; observed
+maxima 1.2e-5 for DDP, 3.7e-5 for an embedding row of a rare token under
+tensor parallelism), and the mean difference within 5e-7. A real bug (sum instead of
 mean, a bucket left out, stale parameters, a skipped update) moves most
 coordinates by about lr per step and fails both by orders of magnitude.
 """
@@ -26,7 +27,7 @@ from jaxdist.train.gpt import GPT, GPTConfig, next_token_loss
 
 LR = 1e-3
 STEPS = 5
-LOSS_RTOL, PARAM_ATOL, PARAM_MEAN_ATOL = 5e-6, 3e-5, 5e-7
+LOSS_RTOL, PARAM_ATOL, PARAM_MEAN_ATOL = 5e-6, 1e-4, 5e-7
 
 
 class MLP(nnx.Module):

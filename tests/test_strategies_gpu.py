@@ -99,3 +99,36 @@ def test_nccl_handle_carried_through_a_scan_is_refused():
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("fsdp"), out_specs=P("fsdp"), check_vma=False))
     with pytest.raises(ValueError, match="crossed a scan/while/jit boundary"):
         f(jax.device_put(jax.numpy.ones((4,), jax.numpy.float32), NamedSharding(mesh, P("fsdp"))))
+
+
+@pytest.mark.parametrize("delay_us", [0, 300], ids=["no-delay", "delay"])
+def test_tensor_parallel_nccl_uses_this_steps_weights(delay_us):
+    """Seed 000 on the GPU: with a delay before every NCCL op, blocks still compute with the
+    weights this step's dp gather published (never last step's), and match the xla backend."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdist.comm import nccl
+    from jaxdist.tensor_parallel import TensorParallel
+
+    mesh = Mesh(np.asarray(jax.devices("gpu")[:1]).reshape(1, 1), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
+    nccl.init(mesh)
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=4)
+    _, _, batches = make_case("gpt", 4)
+    out = {}
+    for backend in ("nccl", "xla"):
+        nccl.set_debug_delay(delay_us if backend == "nccl" else 0)
+        try:
+            run = TensorParallel(mesh, backend=backend).prepare(GPT(cfg, nnx.Rngs(0)), optax.adam(1e-3), batches[0])
+            state, losses = run.state, []
+            for batch in batches:
+                before = np.asarray(jax.device_put(state.params["blocks"], NamedSharding(mesh, P())), np.float64)
+                state, m = run.step(state, batch)
+                losses.append(float(m["loss"]))
+                published = before.reshape(cfg.n_layers, -1).sum(axis=1)
+                np.testing.assert_allclose(np.asarray(m["weights_used"]), published, rtol=1e-5)
+            out[backend] = (losses, jax.tree.map(np.asarray, run.params(state)))
+        finally:
+            nccl.set_debug_delay(0)
+    assert len(set(out["nccl"][0])) == len(batches)
+    _assert_same(out["nccl"], out["xla"])

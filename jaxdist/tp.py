@@ -1,0 +1,145 @@
+"""Megatron-style tensor parallelism: the layer math, as functions inside `shard_map`.
+
+Activations are replicated over the `tp` axis (or split along the sequence
+with sequence parallelism); weights are split over it. A column-parallel
+linear splits output features, a row-parallel one input features and sums the
+partial products across `tp`; attention splits heads; the embedding and the
+cross-entropy split the vocabulary, so full logits never exist.
+
+The communication is four differentiable functions (Megatron's f and g, and
+their sequence-parallel forms), each a `jaxdist.comm` collective in forward
+and its transpose in backward, so they work with either comm backend.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxdist import comm
+
+
+def _reduce(x, axis, backend):
+    return comm.all_reduce(x, axis, comm.token("tp"), op="sum", backend=backend)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def copy_to_tp(x, axis: str, backend: str | None = None):
+    """Identity in forward; sums the gradient over `axis` in backward (Megatron's f)."""
+    return x
+
+
+copy_to_tp.defvjp(lambda x, axis, backend: (x, None), lambda axis, backend, _, g: (_reduce(g, axis, backend),))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def reduce_from_tp(x, axis: str, backend: str | None = None):
+    """Sums partial results over `axis` in forward; identity in backward (Megatron's g)."""
+    return _reduce(x, axis, backend)
+
+
+reduce_from_tp.defvjp(lambda x, axis, backend: (_reduce(x, axis, backend), None), lambda axis, backend, _, g: (g,))
+
+
+def _gather_seq(x, axis, backend):
+    return comm.all_gather(x, axis, comm.token("tp"), axis=1, backend=backend)[0]
+
+
+def _scatter_seq(x, axis, backend):
+    return comm.reduce_scatter(x, axis, comm.token("tp"), op="sum", scatter_axis=1, backend=backend)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def gather_sequence(x, axis: str, backend: str | None = None):
+    """Sequence parallelism: all-gather the sequence dim (1) in forward, reduce-scatter it in backward."""
+    return _gather_seq(x, axis, backend)
+
+
+gather_sequence.defvjp(
+    lambda x, axis, backend: (_gather_seq(x, axis, backend), None),
+    lambda axis, backend, _, g: (_scatter_seq(g, axis, backend),),
+)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def scatter_sequence(x, axis: str, backend: str | None = None):
+    """Sequence parallelism: reduce-scatter the sequence dim (1) in forward, all-gather it in backward."""
+    return _scatter_seq(x, axis, backend)
+
+
+scatter_sequence.defvjp(
+    lambda x, axis, backend: (_scatter_seq(x, axis, backend), None),
+    lambda axis, backend, _, g: (_gather_seq(g, axis, backend),),
+)
+
+
+def column_linear(x, kernel, bias=None):
+    """`x @ kernel + bias` with `kernel` (and `bias`) holding this rank's output features."""
+    y = jnp.einsum("...d,df->...f", x, kernel, precision="highest")
+    return y if bias is None else y + bias
+
+
+def row_linear(x, kernel, axis: str, bias=None, *, backend=None, sequence_parallel: bool = False):
+    """`x @ kernel` over this rank's input features, summed over `axis`, then `+ bias` (replicated).
+
+    With sequence parallelism the sum is a reduce-scatter over the sequence dim.
+    """
+    partial = jnp.einsum("...f,fd->...d", x, kernel, precision="highest")
+    y = scatter_sequence(partial, axis, backend) if sequence_parallel else reduce_from_tp(partial, axis, backend)
+    return y if bias is None else y + bias
+
+
+def vocab_parallel_embed(tokens, table, axis: str, *, backend=None):
+    """Embedding lookup with the vocabulary split over `axis`: `table` holds rows
+    [rank * V/tp, (rank + 1) * V/tp); other ranks' tokens contribute zeros, then a sum."""
+    rows = table.shape[0]
+    start = jax.lax.axis_index(axis) * rows
+    local = tokens - start
+    inside = (local >= 0) & (local < rows)
+    emb = jnp.take(table, jnp.where(inside, local, 0), axis=0) * inside[..., None].astype(table.dtype)
+    return reduce_from_tp(emb, axis, backend)
+
+
+def vocab_parallel_cross_entropy(logits, labels, axis: str, *, backend=None):
+    """Per-token cross-entropy from this rank's vocabulary slice of the logits (float32 math).
+
+    Only per-token scalars cross `axis` (max, sum of exponentials, target logit),
+    never the logits themselves.
+    """
+    logits = logits.astype(jnp.float32)
+    cols = logits.shape[-1]
+    start = jax.lax.axis_index(axis) * cols
+    # max over the whole vocabulary, as a constant shift (it needs no gradient)
+    local_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+    shift = comm.all_reduce(local_max, axis, comm.token("tp"), op="max", backend=backend)[0]
+    shifted = logits - shift[..., None]
+    sum_exp = reduce_from_tp(jnp.sum(jnp.exp(shifted), axis=-1), axis, backend)
+    local = labels - start
+    inside = (local >= 0) & (local < cols)
+    picked = jnp.take_along_axis(shifted, jnp.where(inside, local, 0)[..., None], axis=-1)[..., 0]
+    target = reduce_from_tp(jnp.where(inside, picked, 0.0), axis, backend)
+    return jnp.log(sum_exp) - target
+
+
+def _split_seq(x, axis):
+    n = x.shape[1] // comm_axis_size(axis)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * n, n, axis=1)
+
+
+def comm_axis_size(axis: str) -> int:
+    return jax.lax.psum(1, axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def split_sequence(x, axis: str, backend: str | None = None):
+    """Sequence parallelism: keep this rank's chunk of the sequence dim (1) of a replicated
+    `x` in forward; all-gather the gradient in backward."""
+    return _split_seq(x, axis)
+
+
+split_sequence.defvjp(
+    lambda x, axis, backend: (_split_seq(x, axis), None),
+    lambda axis, backend, _, g: (_gather_seq(g, axis, backend),),
+)
