@@ -25,6 +25,7 @@ from types import ModuleType
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -32,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
 from jaxdist._pipeline import AsyncOp, pipelined_loop
-from jaxdist.buckets import bucket_layout, pack_bucket, unpack_bucket
+from jaxdist.buckets import bucket_layout, pack_bucket, param_name, unpack_bucket
 from jaxdist.comm._backend import get_backend
 from jaxdist.ddp import TrainState
 from jaxdist.fsdp import _index
@@ -48,6 +49,8 @@ class TensorParallel:
       dp_axis / tp_axis: the data-parallel and tensor-parallel axes.
       sequence_parallel: split norms and residuals along the sequence over `tp`.
       remat: `jax.checkpoint` each block (keep only its input for backward).
+      max_grad_norm: clip by the global gradient norm (weights replicated over
+        `tp` counted once), or None.
       unroll: unroll the block loops (always so with the nccl backend).
       backend: the `jaxdist.comm` backend.
       spec: the module that splits and runs the model per tp rank (default: the GPT's).
@@ -58,6 +61,7 @@ class TensorParallel:
     tp_axis: str = "tp"
     sequence_parallel: bool = False
     remat: bool = True
+    max_grad_norm: float | None = None
     unroll: bool = False
     backend: str | None = None
     spec: ModuleType = gpt_tp
@@ -116,8 +120,22 @@ class TPRun:
         self.block_bucket = bucket_layout(block_parts[0][0], cfg.dp, bucket_size=None).buckets[0]
         self.embed_bucket = bucket_layout(outer_parts[0][0], cfg.dp, bucket_size=None).buckets[0]
         self.head_bucket = bucket_layout(outer_parts[0][1], cfg.dp, bucket_size=None).buckets[0]
+        self.norm_weights = {
+            "embed": self._norm_weights(self.embed_bucket, outer_parts[0][0]),
+            "head": self._norm_weights(self.head_bucket, outer_parts[0][1]),
+            "blocks": self._norm_weights(self.block_bucket, block_parts[0][0]),
+        }
         self.state = self._init_state(block_parts, outer_parts)
         self.step = jax.jit(self._step, donate_argnums=0)
+
+    def _norm_weights(self, bucket, tree) -> np.ndarray:
+        """Per element of a unit's flat piece: 1, or 1/tp where every tp rank holds the same value."""
+        names = [param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        leaves = [
+            np.full(x.shape, 1 / self.cfg.tp if self.spec.replicated(n) else 1.0, np.float32)
+            for n, x in zip(names, jax.tree.leaves(tree), strict=True)
+        ]
+        return np.asarray(pack_bucket(bucket, leaves, np.float32))
 
     def _ctx(self) -> gpt_tp.Context:
         cfg = self.cfg
@@ -272,11 +290,22 @@ class TPRun:
         loss, tok = comm.all_reduce(loss, cfg.dp_axis, tok, op="mean", backend=cfg.backend)
         # each tp rank's sum of the weights its blocks computed with, summed over tp: for tests
         used, tok = comm.all_reduce(used, cfg.tp_axis, tok, op="sum", backend=cfg.backend)
-        sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+        # the global norm: this dp rank's slice of each unit's per-element weights
+        rank = jax.lax.axis_index(cfg.dp_axis)
+
+        def weighted(name, g):
+            w = jnp.asarray(self.norm_weights[name])
+            w = jax.lax.dynamic_slice_in_dim(w, rank * g.shape[-1], g.shape[-1])
+            return jnp.sum(jnp.square(g.astype(jnp.float32)) * w)
+
+        sq = sum(weighted(name, g) for name, g in grads.items())
         sq, tok = comm.all_reduce(sq, (cfg.dp_axis, cfg.tp_axis), tok, op="sum", backend=cfg.backend)
+        norm = jnp.sqrt(sq)
+        if cfg.max_grad_norm is not None:
+            scale = jnp.minimum(1.0, cfg.max_grad_norm / (norm + 1e-6))
+            grads = {k: (g * scale).astype(g.dtype) for k, g in grads.items()}
         # back to the local (.., 1, shard) shapes of the state, for the elementwise update
         grads = {k: g[:, None] if k == "blocks" else g[None] for k, g in grads.items()}
         updates, new_opt = self.optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        # grad_norm counts weights replicated over tp once per tp rank (a diagnostic, not used to clip)
-        return new_params, new_opt, {"loss": loss, "grad_norm": jnp.sqrt(sq), "weights_used": used}
+        return new_params, new_opt, {"loss": loss, "grad_norm": norm, "weights_used": used}

@@ -139,3 +139,23 @@ def test_bad_shapes_raise():
         TensorParallel(mesh).prepare(GPT(dataclasses.replace(CFG, n_heads=4), nnx.Rngs(0)), optax.adam(1e-3), {})
     with pytest.raises(ValueError, match="axis 'model' is not a mesh axis"):
         TensorParallel(mesh, tp_axis="model")
+
+
+def test_clipping_uses_the_exact_global_norm():
+    """Weights replicated over tp are held by every tp rank; the norm counts them once, so
+    clipping matches optax.clip_by_global_norm on one device."""
+    mesh = cpu_mesh((2, 4), ("dp", "tp"))
+    data = batches(3)
+    opt = lambda: optax.sgd(0.5, momentum=0.9)
+    ref_losses, ref_params = reference_run(
+        lambda: GPT(CFG, nnx.Rngs(0)), next_token_loss, data, optax.chain(optax.clip_by_global_norm(0.05), opt())
+    )
+    run = TensorParallel(mesh, max_grad_norm=0.05).prepare(GPT(CFG, nnx.Rngs(0)), opt(), data[0])
+    state, losses, norms = run.state, [], []
+    for batch in data:
+        state, m = run.step(state, batch)
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+    assert norms[0] > 0.05  # the clip is active
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    assert_params_close(run.params(state), ref_params)

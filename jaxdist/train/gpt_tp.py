@@ -97,6 +97,14 @@ def join_outer(embeds: list[dict], heads: list[dict], tied: bool) -> dict:
     return out
 
 
+REPLICATED = ("ln1/", "ln2/", "proj/bias", "out/bias", "wpe", "ln_f/")
+
+
+def replicated(name: str) -> bool:
+    """Whether the piece named `name` (a path in a rank's unit) is the same on every tp rank."""
+    return name.startswith(REPLICATED) or name in REPLICATED
+
+
 def layer_norm(x, p):
     """nnx.LayerNorm's math (fast variance, epsilon 1e-6)."""
     mean = jnp.mean(x, axis=-1, keepdims=True)
