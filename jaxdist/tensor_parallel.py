@@ -299,7 +299,8 @@ class TPRun:
             return jnp.sum(jnp.square(g.astype(jnp.float32)) * w)
 
         sq = sum(weighted(name, g) for name, g in grads.items())
-        sq, tok = comm.all_reduce(sq, (cfg.dp_axis, cfg.tp_axis), tok, op="sum", backend=cfg.backend)
+        for axis in (cfg.dp_axis, cfg.tp_axis):  # one axis at a time: needs only per-axis communicators
+            sq, tok = comm.all_reduce(sq, axis, tok, op="sum", backend=cfg.backend)
         norm = jnp.sqrt(sq)
         if cfg.max_grad_norm is not None:
             scale = jnp.minimum(1.0, cfg.max_grad_norm / (norm + 1e-6))
