@@ -14,6 +14,7 @@ difference is the group's cost; non-blocking rows with the poll in "spin" mode
 next to the default "yield". Results are appended to bench/RESULTS.md by hand.
 
     python bench/nccl_micro.py [--calls 64] [--reps 30]
+    python bench/nccl_micro.py --sweep      # bus bandwidth, 8 KB .. 1 GB per rank
 """
 
 import argparse
@@ -85,12 +86,46 @@ def measure(programs: dict, x, reps: int) -> dict:
     return {k: np.asarray(v) for k, v in times.items()}
 
 
+# nccl-tests' bus bandwidth factors: busbw = algbw * factor(n), algbw = bytes per rank / time
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "sendrecv": lambda n: 1.0,
+}
+
+
+def sweep(gpus, calls: int, reps: int) -> None:
+    """Bus bandwidth from 8 KB to 1 GB per rank, nccl vs xla (blocking communicators)."""
+    n = len(gpus)
+    mesh = Mesh(np.asarray(gpus), ("b",), axis_types=(AxisType.Explicit,))
+    nccl.init(mesh, blocking=True)
+    nccl.wait_ready()
+    rows = []
+    for nbytes in (8 << 10, 64 << 10, 512 << 10, 4 << 20, 32 << 20, 256 << 20, 1 << 30):
+        x = jax.device_put(jnp.ones((n * nbytes // 4,), jnp.float32), NamedSharding(mesh, P("b")))
+        ops = [f"{op}:{be}" for op in BUS_FACTOR for be in ("nccl", "xla")]
+        programs = {op: build(mesh, "b", op, calls) for op in ["empty", *ops]}
+        times = measure(programs, x, reps)
+        for op in ops:
+            per_call = np.median(times[op] - times["empty"]) / calls
+            algbw = nbytes / per_call / 1e9
+            rows.append((op, nbytes, per_call * 1e6, algbw, algbw * BUS_FACTOR[op.split(":")[0]](n)))
+    print(f"\nbus bandwidth, {n} x {gpus[0].device_kind}, {calls} calls, {reps} reps (nccl-tests formulas)")
+    print(f"{'op':24} {'bytes/rank':>11} {'us/call':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+    for op, nbytes, us, alg, bus in rows:
+        print(f"{op:24} {nbytes:>11} {us:>10.1f} {alg:>11.1f} {bus:>11.1f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--sweep", action="store_true", help="bus bandwidth 8 KB .. 1 GB instead (2+ GPUs)")
     args = ap.parse_args()
     gpus = jax.devices("gpu")
+    if args.sweep:
+        return sweep(gpus, calls=min(args.calls, 8), reps=min(args.reps, 5))
     rows = []
     for mode in ("blocking", "non-blocking", "non-blocking spin"):
         blocking = mode == "blocking"
