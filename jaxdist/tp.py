@@ -143,3 +143,65 @@ split_sequence.defvjp(
     lambda x, axis, backend: (_split_seq(x, axis), None),
     lambda axis, backend, _, g: (_gather_seq(g, axis, backend),),
 )
+
+
+# -- Flax NNX layers over the same math ------------------------------------------------
+# Each holds this rank's piece of the weight (call them inside `shard_map`, where the
+# arrays are local); `split` cuts a rank's piece out of a full weight.
+
+from flax import nnx  # noqa: E402
+
+
+class ColumnParallelLinear(nnx.Module):
+    """`y = x @ W + b` with this rank's `out_features / tp` columns; output split over `tp`."""
+
+    def __init__(self, kernel, bias, axis: str, *, backend: str | None = None, sequence_parallel: bool = False):
+        self.kernel, self.bias = nnx.Param(kernel), nnx.Param(bias) if bias is not None else None
+        self.axis, self.backend, self.sequence_parallel = axis, backend, sequence_parallel
+
+    @staticmethod
+    def split(kernel, bias, rank: int, size: int):
+        n = kernel.shape[-1] // size
+        cut = lambda a: a[..., rank * n : (rank + 1) * n]
+        return cut(kernel), None if bias is None else cut(bias)
+
+    def __call__(self, x):
+        if self.sequence_parallel:
+            x = gather_sequence(x, self.axis, self.backend)
+        else:
+            x = copy_to_tp(x, self.axis, self.backend)
+        return column_linear(x, self.kernel[...], None if self.bias is None else self.bias[...])
+
+
+class RowParallelLinear(nnx.Module):
+    """`y = sum over tp of x_r @ W_r, + b`: input split over `tp`, output replicated (or sequence-split)."""
+
+    def __init__(self, kernel, bias, axis: str, *, backend: str | None = None, sequence_parallel: bool = False):
+        self.kernel, self.bias = nnx.Param(kernel), nnx.Param(bias) if bias is not None else None
+        self.axis, self.backend, self.sequence_parallel = axis, backend, sequence_parallel
+
+    @staticmethod
+    def split(kernel, bias, rank: int, size: int):
+        n = kernel.shape[0] // size
+        return kernel[rank * n : (rank + 1) * n], bias
+
+    def __call__(self, x):
+        bias = None if self.bias is None else self.bias[...]
+        return row_linear(
+            x, self.kernel[...], self.axis, bias, backend=self.backend, sequence_parallel=self.sequence_parallel
+        )
+
+
+class VocabParallelEmbed(nnx.Module):
+    """Token embedding with this rank's `vocab / tp` rows; output replicated over `tp`."""
+
+    def __init__(self, table, axis: str, *, backend: str | None = None):
+        self.table, self.axis, self.backend = nnx.Param(table), axis, backend
+
+    @staticmethod
+    def split(table, rank: int, size: int):
+        n = table.shape[0] // size
+        return table[rank * n : (rank + 1) * n]
+
+    def __call__(self, tokens):
+        return vocab_parallel_embed(tokens, self.table[...], self.axis, backend=self.backend)

@@ -226,3 +226,17 @@ def test_skips_a_nonfinite_step(mesh):
     assert bool(m["skipped"])
     for b, a in zip(jax.tree.leaves(before), jax.tree.leaves((state.params, state.opt_state)), strict=True):
         np.testing.assert_array_equal(b, np.asarray(a))
+
+
+def test_mixed_precision_gathers_bf16_keeps_float32_master_shards(mesh):
+    data = batches(3)
+    fp32, *_ = run_fsdp(FSDP(mesh), CFG, data)
+    cfg = FSDP(mesh, compute_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+    losses, params, run, state = run_fsdp(cfg, CFG, data)
+    assert state.params["blocks"].dtype == jnp.float32  # master shards
+    np.testing.assert_allclose(losses, fp32, rtol=2e-2)  # bf16 compute: close, not equal
+    assert losses != fp32
+    # what jaxdist asks for (XLA's CPU backend then widens bf16 collectives to f32 itself)
+    text = run.step.lower(run.state, data[0]).as_text()
+    gathers = [line for line in text.splitlines() if "all_gather" in line and f"{run.block_bucket.size}x" in line]
+    assert gathers and all("bf16>" in line for line in gathers), gathers[:2]  # half the gather traffic
