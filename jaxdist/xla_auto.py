@@ -56,7 +56,8 @@ class AutoShardedRun:
         self.step = jax.jit(self._step, donate_argnums=0)
 
     def _step(self, state: TrainState, batch):
-        batch = jax.tree.map(lambda x: jax.device_put(x, self.batch_sharding), batch)
+        # a sharding constraint: with Auto axes, device_put inside jit would not split the batch
+        batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self.batch_sharding), batch)
         loss, grads = jax.value_and_grad(lambda p: self.loss_fn(nnx.merge(self.graphdef, p, self.rest), batch))(
             state.params
         )
