@@ -77,7 +77,7 @@ scatter_sequence.defvjp(
 
 def column_linear(x, kernel, bias=None):
     """`x @ kernel + bias` with `kernel` (and `bias`) holding this rank's output features."""
-    y = jnp.einsum("...d,df->...f", x, kernel, precision="highest")
+    y = jnp.einsum("...d,df->...f", x, kernel)
     return y if bias is None else y + bias
 
 
@@ -86,7 +86,7 @@ def row_linear(x, kernel, axis: str, bias=None, *, backend=None, sequence_parall
 
     With sequence parallelism the sum is a reduce-scatter over the sequence dim.
     """
-    partial = jnp.einsum("...f,fd->...d", x, kernel, precision="highest")
+    partial = jnp.einsum("...f,fd->...d", x, kernel)
     y = scatter_sequence(partial, axis, backend) if sequence_parallel else reduce_from_tp(partial, axis, backend)
     return y if bias is None else y + bias
 

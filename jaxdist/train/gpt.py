@@ -27,6 +27,9 @@ class GPTConfig:
     tie_embeddings: bool = False
     dtype: Any = jnp.float32  # compute dtype
     param_dtype: Any = jnp.float32
+    # jax.nn.dot_product_attention's implementation: None (XLA's choice), "xla" or "cudnn"
+    # (flash attention on NVIDIA GPUs; needs bfloat16/float16)
+    attention: str | None = None
 
     @property
     def ff(self) -> int:
@@ -52,9 +55,7 @@ FLAVORS = {
 
 def _dense(cfg: GPTConfig, n_in: int, n_out: int, rngs: nnx.Rngs, scale: float = 1.0) -> nnx.Linear:
     init = nnx.initializers.normal(0.02 * scale)
-    return nnx.Linear(
-        n_in, n_out, kernel_init=init, dtype=cfg.dtype, param_dtype=cfg.param_dtype, precision="highest", rngs=rngs
-    )
+    return nnx.Linear(n_in, n_out, kernel_init=init, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
 
 
 class Block(nnx.Module):
@@ -64,6 +65,7 @@ class Block(nnx.Module):
         d = cfg.d_model
         self.n_heads = cfg.n_heads
         self.dtype = cfg.dtype
+        self.attention = cfg.attention
         proj_scale = (2 * cfg.n_layers) ** -0.5  # GPT-2's scaled init of the residual projections
         self.ln1 = nnx.LayerNorm(d, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
         self.qkv = _dense(cfg, d, 3 * d, rngs)
@@ -76,7 +78,7 @@ class Block(nnx.Module):
         b, t, d = x.shape
         q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
         heads = lambda a: a.reshape(b, t, self.n_heads, d // self.n_heads)
-        att = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        att = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=True, implementation=self.attention)
         x = x + self.proj(att.reshape(b, t, d))
         return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
 

@@ -163,6 +163,6 @@ def head_loss(p: dict, embed_params: dict, x, batch: dict, ctx: Context):
     if "head" in p:
         logits = tp.column_linear(h, p["head"]["kernel"], p["head"]["bias"])
     else:  # tied: this rank's vocabulary rows of the embedding
-        logits = jnp.einsum("btd,vd->btv", h, embed_params["wte"], precision="highest")
+        logits = jnp.einsum("btd,vd->btv", h, embed_params["wte"])
     per_token = tp.vocab_parallel_cross_entropy(logits, batch["tokens"][:, 1:], ctx.axis, backend=ctx.backend)
     return per_token.mean()

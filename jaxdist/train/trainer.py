@@ -54,6 +54,8 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
     over = {k: getattr(m, k) for k in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "tie_embeddings")}
     out = dataclasses.replace(FLAVORS[m.flavor], **{k: v for k, v in over.items() if v is not None})
     out = dataclasses.replace(out, dtype=jnp.dtype(m.dtype))
+    if m.dtype == "bfloat16" and jax.default_backend() == "gpu":
+        out = dataclasses.replace(out, attention="cudnn")  # flash attention
     if out.d_model % out.n_heads:
         raise ConfigError(f"model.d_model={out.d_model} must be divisible by model.n_heads={out.n_heads}")
     return out
