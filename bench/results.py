@@ -1,6 +1,7 @@
 """Append a benchmark's table to bench/RESULTS.md with the date, git commit, device and command."""
 
 import datetime
+import os
 import subprocess
 from pathlib import Path
 
@@ -8,6 +9,18 @@ RESULTS = Path(__file__).parent / "RESULTS.md"
 
 
 def append_result(title: str, command: str, device: str, table: str) -> None:
+    # a copied working tree (a GPU runner) may carry a stale .git: JAXDIST_COMMIT says which commit it is
+    if os.environ.get("JAXDIST_COMMIT"):
+        commit = os.environ["JAXDIST_COMMIT"]
+    else:
+        commit = _git_commit()
+    date = datetime.date.today().isoformat()
+    block = f"\n## {title} ({date})\n\n{date}, commit {commit}, {device}, command `{command}`\n\n{table}\n"
+    with RESULTS.open("a") as f:
+        f.write(block)
+
+
+def _git_commit() -> str:
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=RESULTS.parent, check=True
@@ -15,10 +28,6 @@ def append_result(title: str, command: str, device: str, table: str) -> None:
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=RESULTS.parent
         ).stdout.strip()
-        commit += " (with uncommitted changes)" if dirty else ""
+        return commit + (" (with uncommitted changes)" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    date = datetime.date.today().isoformat()
-    block = f"\n## {title} ({date})\n\n{date}, commit {commit}, {device}, command `{command}`\n\n{table}\n"
-    with RESULTS.open("a") as f:
-        f.write(block)
+        return "unknown"
