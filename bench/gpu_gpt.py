@@ -67,12 +67,64 @@ def jaxdist_loop(cfg, batch, steps):
     return time.perf_counter() - t0
 
 
+def _time(f, *args, reps=20):
+    out = f(*args)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = f(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / reps
+
+
+def breakdown(flavor: str, batch: int) -> str:
+    """Where a block's time goes: attention (XLA's and cuDNN's) and the block's matmuls,
+    each forward + backward at the model's shapes, per layer and times the layer count."""
+    cfg = FLAVORS[flavor]
+    b, t, h, d = batch, cfg.seq_len, cfg.n_heads, cfg.d_model
+    key = jax.random.key(0)
+    q = jax.random.normal(key, (b, t, h, d // h), jnp.bfloat16)
+
+    def attention(impl):
+        f = lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True, implementation=impl).sum()
+        return jax.jit(jax.grad(f))
+
+    x = jax.random.normal(key, (b * t, d), jnp.bfloat16)
+    ws = [jax.random.normal(key, s, jnp.bfloat16) * 0.02 for s in ((d, 3 * d), (d, d), (d, 4 * d), (4 * d, d))]
+
+    def matmuls(ws, x):  # qkv, proj, fc, out: the block's dense layers
+        y = (x @ ws[0])[:, :d] @ ws[1]
+        return ((y @ ws[2]) @ ws[3]).astype(jnp.float32).sum()
+
+    grad_mm = jax.jit(jax.grad(matmuls))
+    rows = [
+        ("attention, XLA", _time(attention("xla"), q)),
+        ("attention, cuDNN flash", _time(attention("cudnn"), q)),
+        ("block matmuls", _time(grad_mm, ws, x)),
+    ]
+    lines = [
+        f"per-layer forward+backward at {flavor} (batch {b}, T={t}, d={d}, {h} heads); x {cfg.n_layers} layers:",
+        "",
+        "| part | ms per layer | ms per step (all layers) |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| {name} | {1e3 * s:.2f} | {1e3 * s * cfg.n_layers:.1f} |" for name, s in rows]
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--flavors", nargs="+", default=["124m", "350m"])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--breakdown", action="store_true", help="time attention vs matmuls per layer instead")
     args = ap.parse_args()
+    if args.breakdown:
+        table = "\n\n".join(breakdown(f, args.batch) for f in args.flavors)
+        print(table)
+        device = jax.devices()[0].device_kind
+        append_result("Where a GPT block's time goes", "python bench/gpu_gpt.py --breakdown", f"1 x {device}", table)
+        return
     device = jax.devices()[0]
     peak = PEAK_FLOPS.get(device.device_kind)
     rows = []
