@@ -9,6 +9,8 @@ batch growing with the GPU count (weak scaling), for 1..N GPUs. Prints tables la
 """
 
 import argparse
+import os
+import sys
 import time
 
 import jax
@@ -17,11 +19,14 @@ import optax
 from flax import nnx
 from jax.sharding import AxisType, Mesh
 
-from jaxdist.comm import nccl
-from jaxdist.ddp import DDP
-from jaxdist.fsdp import FSDP, Units
-from jaxdist.tensor_parallel import TensorParallel
-from jaxdist.train.gpt import GPT, GPTConfig, embed_inputs, head_loss, next_token_loss
+sys.path.insert(0, os.path.dirname(__file__))
+from results import append_result  # noqa: E402
+
+from jaxdist.comm import nccl  # noqa: E402
+from jaxdist.ddp import DDP  # noqa: E402
+from jaxdist.fsdp import FSDP, Units  # noqa: E402
+from jaxdist.tensor_parallel import TensorParallel  # noqa: E402
+from jaxdist.train.gpt import GPT, GPTConfig, embed_inputs, head_loss, next_token_loss  # noqa: E402
 
 CFG = GPTConfig(vocab_size=256, seq_len=128, d_model=256, n_heads=8, n_layers=4)
 
@@ -106,17 +111,20 @@ def main():
                 batch = batches(1, args.per_gpu_batch * k)[0]
                 t = step_time(prepare(strategy, mesh_for(strategy, gpus[:k]), backend, batch), batch)
                 scaling.append((strategy, backend, k, t))
-    print(f"\n{n} x {gpus[0].device_kind}, jax {jax.__version__}, GPT {CFG.num_params() / 1e6:.1f}M params")
-    print(f"\nparity over {args.steps} Adam steps vs 1 GPU (same global batch {args.per_gpu_batch * n}):")
-    print(f"{'strategy':10} {'backend':8} {'gpus':>4} {'loss[0]':>9} {'loss[-1]':>9} {'max rel diff':>13}")
-    for s, b, k, first, last, err in parity:
-        print(f"{s:10} {b:8} {k:>4} {first:>9.5f} {last:>9.5f} {err:>13.2e}")
-    print(f"\nweak scaling: step time, {args.per_gpu_batch} sequences of {CFG.seq_len} per GPU:")
-    print(f"{'strategy':10} {'backend':8} {'gpus':>4} {'ms/step':>9} {'efficiency':>11}")
+    out = [f"{n} x {gpus[0].device_kind}, jax {jax.__version__}, GPT {CFG.num_params() / 1e6:.1f}M params", "```"]
+    out.append(f"parity over {args.steps} Adam steps vs 1 GPU (same global batch {args.per_gpu_batch * n}):")
+    out.append(f"{'strategy':10} {'backend':8} {'gpus':>4} {'loss[0]':>9} {'loss[-1]':>9} {'max rel diff':>13}")
+    out += [f"{s:10} {b:8} {k:>4} {f:>9.5f} {la:>9.5f} {e:>13.2e}" for s, b, k, f, la, e in parity]
+    out.append(f"weak scaling: step time, {args.per_gpu_batch} sequences of {CFG.seq_len} per GPU:")
+    out.append(f"{'strategy':10} {'backend':8} {'gpus':>4} {'ms/step':>9} {'efficiency':>11}")
     base = {}
     for s, b, k, t in scaling:
         base.setdefault((s, b), t)
-        print(f"{s:10} {b:8} {k:>4} {1e3 * t:>9.2f} {base[(s, b)] / t:>11.2f}")
+        out.append(f"{s:10} {b:8} {k:>4} {1e3 * t:>9.2f} {base[(s, b)] / t:>11.2f}")
+    table = "\n".join([*out, "```"])
+    print("\n" + table)
+    command = "python bench/multigpu.py " + " ".join(sys.argv[1:])
+    append_result("Multi-GPU parity and weak scaling", command, f"{n} x {gpus[0].device_kind}", table)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ next to the default "yield". Results are appended to bench/RESULTS.md by hand.
 """
 
 import argparse
+import os
+import sys
 import time
 
 import jax
@@ -28,6 +30,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
 from jaxdist.comm import nccl
+
+sys.path.insert(0, os.path.dirname(__file__))
+from results import append_result  # noqa: E402
 
 
 def ungrouped_all_reduce(x, axis):
@@ -111,10 +116,14 @@ def sweep(gpus, calls: int, reps: int) -> None:
             per_call = np.median(times[op] - times["empty"]) / calls
             algbw = nbytes / per_call / 1e9
             rows.append((op, nbytes, per_call * 1e6, algbw, algbw * BUS_FACTOR[op.split(":")[0]](n)))
-    print(f"\nbus bandwidth, {n} x {gpus[0].device_kind}, {calls} calls, {reps} reps (nccl-tests formulas)")
-    print(f"{'op':24} {'bytes/rank':>11} {'us/call':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")
-    for op, nbytes, us, alg, bus in rows:
-        print(f"{op:24} {nbytes:>11} {us:>10.1f} {alg:>11.1f} {bus:>11.1f}")
+    lines = [f"bus bandwidth, {n} x {gpus[0].device_kind}, {calls} calls, {reps} reps (nccl-tests formulas)", "```"]
+    lines.append(f"{'op':24} {'bytes/rank':>11} {'us/call':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+    lines += [f"{op:24} {nb:>11} {us:>10.1f} {alg:>11.1f} {bus:>11.1f}" for op, nb, us, alg, bus in rows]
+    table = "\n".join([*lines, "```"])
+    print("\n" + table)
+    append_result(
+        "NCCL bus bandwidth sweep", "python bench/nccl_micro.py --sweep", f"{n} x {gpus[0].device_kind}", table
+    )
 
 
 def main():
@@ -158,11 +167,14 @@ def main():
                 rows.append(("(group start/end cost)", mode, nbytes, cost, float("nan"), float("nan"), float("nan")))
     nccl.set_poll_mode("yield")
     kind = gpus[0].device_kind
-    print(f"\n{len(gpus)} x {kind}, jax {jax.__version__}, {args.calls} unrolled calls, {args.reps} reps")
-    head = f"{'op':28} {'mode':18} {'bytes/rank':>10} {'us/call':>8} {'vs floor':>9} {'IQR':>6} {'GB/s':>7}"
-    print(head)
+    lines = [f"{len(gpus)} x {kind}, jax {jax.__version__}, {args.calls} unrolled calls, {args.reps} reps", "```"]
+    lines.append(f"{'op':28} {'mode':18} {'bytes/rank':>10} {'us/call':>8} {'vs floor':>9} {'IQR':>6} {'GB/s':>7}")
     for op, mode, nbytes, us, vs, iqr, gbs in rows:
-        print(f"{op:28} {mode:18} {nbytes:>10} {us:>8.2f} {vs:>9.2f} {iqr:>6.2f} {gbs:>7.1f}")
+        lines.append(f"{op:28} {mode:18} {nbytes:>10} {us:>8.2f} {vs:>9.2f} {iqr:>6.2f} {gbs:>7.1f}")
+    table = "\n".join([*lines, "```"])
+    print("\n" + table)
+    command = "python bench/nccl_micro.py " + " ".join(sys.argv[1:])
+    append_result("NCCL micro-benchmark", command, f"{len(gpus)} x {kind}", table)
 
 
 if __name__ == "__main__":
