@@ -257,6 +257,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     end = cfg.run.steps if stop_after is None else min(cfg.run.steps, start + stop_after)
     bar = _progress(cfg, start, end)
     losses: list[float] = []
+    pending: list = []
     meta_out = {"model": model_meta, "layout": layout, "config": cfg.to_dict()}
 
     def save(step: int):
@@ -269,11 +270,13 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
         for step in range(start, end):
             batch = _global_batch(source.batch(step, cfg.data.batch_size), batch_sharding)
             state, metrics = run.step(state, batch)
-            loss = float(_host(metrics["loss"]))
-            losses.append(loss)
+            pending.append(metrics["loss"])  # read back only when logging: no host sync per step
             window_tokens += tokens_per_step
             last = step + 1 == end
             if (step + 1) % max(1, cfg.run.log_every) == 0 or last or step == start:
+                losses.extend(float(_host(x)) for x in pending)
+                pending.clear()
+                loss = losses[-1]
                 jax.block_until_ready(state)
                 elapsed = time.perf_counter() - window_start
                 tps = window_tokens / elapsed
@@ -297,7 +300,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
         save(end)
     except KeyboardInterrupt:
         # the state after the last finished step: a checkpoint of it, then stop
-        done = start + len(losses)
+        done = start + len(losses) + len(pending)
         print(f"\njaxdist: interrupted; saving step {done}")
         save(done)
         raise
