@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
 from jaxdist._interleave import LAZY, Schedule, eval_interleaved, first_use_order
+from jaxdist._step import TrainState, local_batch_avals, sharded_step
 from jaxdist.buckets import DEFAULT_BUCKET_SIZE, BucketLayout, bucket_layout, pack_bucket, unpack_bucket
 
 
@@ -116,16 +117,6 @@ class DDP:
         return DDPRun(self, model, optimizer, loss_fn, batch)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class TrainState:
-    """What a step updates: parameters (a pytree, or bucket shards under zero1), optimizer state, step."""
-
-    params: Any
-    opt_state: Any
-    step: jax.Array
-
-
 class DDPRun:
     """A prepared DDP run: `state`, `step(state, batch) -> (state, metrics)`, `layout`."""
 
@@ -155,18 +146,9 @@ class DDPRun:
     # -- tracing helpers -----------------------------------------------------
 
     def _micro_batch_avals(self, batch):
-        cfg = self.cfg
-        per_step = cfg.dp * cfg.accumulation_steps
-
-        def local(x):
-            if x.ndim == 0 or x.shape[0] % per_step:
-                raise ValueError(
-                    f"DDP: batch leading dimension {x.shape[0] if x.ndim else None} must be divisible by "
-                    f"dp * accumulation_steps = {per_step}; change the batch size or accumulation_steps"
-                )
-            return jax.ShapeDtypeStruct((x.shape[0] // per_step, *x.shape[1:]), x.dtype)
-
-        return jax.tree.map(local, batch)
+        per_step = self.cfg.dp * self.cfg.accumulation_steps
+        fix = f"dp * accumulation_steps = {per_step}; change the batch size or accumulation_steps"
+        return local_batch_avals(batch, per_step, "DDP", fix)
 
     def _loss_of_leaves(self, leaves, batch):
         model = nnx.merge(self.graphdef, self.treedef.unflatten(leaves), self.rest)
@@ -218,19 +200,16 @@ class DDPRun:
 
     def _step(self, state: TrainState, batch):
         cfg = self.cfg
-        batch = jax.tree.map(lambda x: jax.device_put(x, self._sharding(self.batch_spec)), batch)
-        param_spec = P(cfg.axis) if cfg.zero1 else P()
-        opt_specs = self._opt_specs(state.params)
-        metric_specs = {"loss": P(), "grad_norm": P(), "skipped": P()}
-        body = jax.shard_map(
+        return sharded_step(
             self._local_step,
-            mesh=cfg.mesh,
-            in_specs=(param_spec, opt_specs, self.batch_spec),
-            out_specs=(param_spec, opt_specs, metric_specs),
-            check_vma=False,
+            cfg.mesh,
+            state,
+            batch,
+            param_specs=P(cfg.axis) if cfg.zero1 else P(),
+            opt_specs=self._opt_specs(state.params),
+            batch_spec=self.batch_spec,
+            metrics=("loss", "grad_norm", "skipped"),
         )
-        params, opt_state, metrics = body(state.params, state.opt_state, batch)
-        return TrainState(params, opt_state, state.step + 1), metrics
 
     def _local_step(self, params, opt_state, batch):
         cfg = self.cfg

@@ -34,9 +34,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
 from jaxdist._pipeline import AsyncOp, pipelined_loop
+from jaxdist._step import TrainState, local_batch_avals, sharded_step
 from jaxdist.buckets import Bucket, bucket_layout, pack_bucket, param_name, unpack_bucket
 from jaxdist.comm._backend import get_backend
-from jaxdist.ddp import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,16 +244,8 @@ class FSDPRun:
 
     def _local_batch(self, batch):
         n = int(np.prod([self.cfg.mesh.shape[a] for a in self.cfg.batch_axes]))
-
-        def local(x):
-            if x.ndim == 0 or x.shape[0] % n:
-                raise ValueError(
-                    f"FSDP: batch leading dimension {x.shape[0] if x.ndim else None} must be divisible by the "
-                    f"{n} devices of the batch axes {self.cfg.batch_axes}; change the batch size"
-                )
-            return jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype)
-
-        return jax.tree.map(local, batch)
+        fix = f"the {n} devices of the batch axes {self.cfg.batch_axes}; change the batch size"
+        return local_batch_avals(batch, n, "FSDP", fix)
 
     def _specs(self):
         a = self.cfg.axis
@@ -359,21 +351,16 @@ class FSDPRun:
     # -- the step ----------------------------------------------------------------
 
     def _step(self, state: TrainState, batch):
-        cfg = self.cfg
-        batch_spec = P(cfg.batch_axes)
-        batch = jax.tree.map(lambda x: jax.device_put(x, self._sharding(batch_spec)), batch)
-        specs = self._specs()
-        opt_specs = self._opt_specs(state.params)
-        metric_specs = {"loss": P(), "grad_norm": P(), "skipped": P()}
-        body = jax.shard_map(
+        return sharded_step(
             self._local_step,
-            mesh=cfg.mesh,
-            in_specs=(specs, opt_specs, batch_spec),
-            out_specs=(specs, opt_specs, metric_specs),
-            check_vma=False,
+            self.cfg.mesh,
+            state,
+            batch,
+            param_specs=self._specs(),
+            opt_specs=self._opt_specs(state.params),
+            batch_spec=P(self.cfg.batch_axes),
+            metrics=("loss", "grad_norm", "skipped"),
         )
-        params, opt_state, metrics = body(state.params, state.opt_state, batch)
-        return TrainState(params, opt_state, state.step + 1), metrics
 
     def _ops(self):
         cfg = self.cfg

@@ -33,9 +33,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
 from jaxdist._pipeline import AsyncOp, pipelined_loop
+from jaxdist._step import TrainState, local_batch_avals, sharded_step
 from jaxdist.buckets import bucket_layout, pack_bucket, param_name, unpack_bucket
 from jaxdist.comm._backend import get_backend
-from jaxdist.ddp import TrainState
 from jaxdist.fsdp import _index
 from jaxdist.train import gpt_tp
 
@@ -103,12 +103,7 @@ class TPRun:
         pure = nnx.to_pure_dict(params)
         self.tied = self.model_cfg.tie_embeddings
         self.n_blocks = len(pure["blocks"])
-        for x in jax.tree.leaves(batch):
-            if x.shape[0] % cfg.dp:
-                raise ValueError(
-                    f"TensorParallel: batch leading dimension {x.shape[0]} must be divisible by dp={cfg.dp}; "
-                    "change the batch size"
-                )
+        local_batch_avals(batch, cfg.dp, "TensorParallel", f"dp={cfg.dp}; change the batch size")
         block_parts = [
             [self.spec.split_block(pure["blocks"][i], r, cfg.tp) for r in range(cfg.tp)] for i in range(self.n_blocks)
         ]
@@ -197,21 +192,16 @@ class TPRun:
     # -- the step ----------------------------------------------------------------
 
     def _step(self, state: TrainState, batch):
-        cfg = self.cfg
-        batch_spec = P(cfg.dp_axis)
-        batch = jax.tree.map(lambda x: jax.device_put(x, self._sharding(batch_spec)), batch)
-        specs = self._specs()
-        opt_specs = self._opt_specs(state.params)
-        metric_specs = {"loss": P(), "grad_norm": P(), "weights_used": P()}
-        body = jax.shard_map(
+        return sharded_step(
             self._local_step,
-            mesh=cfg.mesh,
-            in_specs=(specs, opt_specs, batch_spec),
-            out_specs=(specs, opt_specs, metric_specs),
-            check_vma=False,
+            self.cfg.mesh,
+            state,
+            batch,
+            param_specs=self._specs(),
+            opt_specs=self._opt_specs(state.params),
+            batch_spec=P(self.cfg.dp_axis),
+            metrics=("loss", "grad_norm", "weights_used"),
         )
-        params, opt_state, metrics = body(state.params, state.opt_state, batch)
-        return TrainState(params, opt_state, state.step + 1), metrics
 
     def _local_step(self, params, opt_state, batch):
         cfg, spec, ctx = self.cfg, self.spec, self._ctx()

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.ddp import TrainState
+from jaxdist._step import TrainState
 
 
 def _param_spec(shape, axis: str | None, size: int) -> P:

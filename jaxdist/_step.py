@@ -1,0 +1,59 @@
+"""What every strategy's train step shares: the train state, the batch check, the shard_map wrapper."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    """What a step updates: parameters (in the strategy's storage layout), optimizer state, step."""
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
+
+
+def local_batch_avals(batch, ranks: int, who: str, fix: str):
+    """The per-rank shapes of `batch` split `ranks` ways along its leading dimension."""
+
+    def local(x):
+        if x.ndim == 0 or x.shape[0] % ranks:
+            raise ValueError(
+                f"{who}: batch leading dimension {x.shape[0] if x.ndim else None} must be divisible by {fix}"
+            )
+        return jax.ShapeDtypeStruct((x.shape[0] // ranks, *x.shape[1:]), x.dtype)
+
+    return jax.tree.map(local, batch)
+
+
+def sharded_step(
+    local_step: Callable,
+    mesh: jax.sharding.Mesh,
+    state: TrainState,
+    batch,
+    *,
+    param_specs,
+    opt_specs,
+    batch_spec: P,
+    metrics: Sequence[str],
+) -> tuple[TrainState, dict]:
+    """Run `local_step(params, opt_state, batch) -> (params, opt_state, metrics)` under shard_map
+    (the batch placed along `batch_spec`, every metric replicated) and count the step."""
+    batch = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, batch_spec)), batch)
+    body = jax.shard_map(
+        local_step,
+        mesh=mesh,
+        in_specs=(param_specs, opt_specs, batch_spec),
+        out_specs=(param_specs, opt_specs, {name: P() for name in metrics}),
+        check_vma=False,
+    )
+    params, opt_state, out = body(state.params, state.opt_state, batch)
+    return TrainState(params, opt_state, state.step + 1), out
