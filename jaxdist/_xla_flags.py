@@ -6,23 +6,34 @@
   copy of the block state and its temp memory would grow with depth.
 
 Flags already in `XLA_FLAGS` are left as the user set them; set
-`JAXDIST_XLA_FLAGS=0` to add none. They only take effect when jaxdist is
+`JAXDIST_XLA_FLAGS=0` to add none. XLA aborts on a flag it does not know, so
+they are added only for jaxlib versions they were checked with (0.10, 0.11). They only take effect when jaxdist is
 imported before JAX initializes its backends (before the first `jax.devices()`
 or computation).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 
 DEFAULT_FLAGS = {
     "--xla_cpu_copy_insertion_use_region_analysis": "true",
 }
 OPT_OUT_ENV = "JAXDIST_XLA_FLAGS"
+CHECKED_JAXLIB = ((0, 10), (0, 11))
+
+
+def _jaxlib_checked() -> bool:
+    try:
+        parts = importlib.metadata.version("jaxlib").split(".")
+        return (int(parts[0]), int(parts[1])) in CHECKED_JAXLIB
+    except (importlib.metadata.PackageNotFoundError, ValueError, IndexError):
+        return False
 
 
 def apply_default_flags() -> None:
-    if os.environ.get(OPT_OUT_ENV, "1") == "0":
+    if os.environ.get(OPT_OUT_ENV, "1") == "0" or not _jaxlib_checked():
         return
     flags = os.environ.get("XLA_FLAGS", "")
     present = {f.split("=")[0] for f in flags.split()}
