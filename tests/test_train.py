@@ -34,6 +34,7 @@ def test_resume_continues_with_the_same_losses(tmp_path):
     assert len(first) == 3 and len(rest) == 3
     np.testing.assert_array_equal(first + rest, whole)
     assert len(set(whole)) == 6  # a real run: every step's loss differs
+    assert train(cfg(tmp_path, "run.steps=6", name="split")) == []  # finished: running again is a no-op
 
 
 def test_restore_onto_another_mesh_gives_the_same_next_loss(tmp_path):

@@ -249,6 +249,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
             state = dataclasses.replace(state, step=jax.device_put(jnp.asarray(latest, jnp.int32), state.step.sharding))
         start = latest
         print(f"jaxdist: resumed from {ckpt.directory} at step {start}")
+        if start >= cfg.run.steps:
+            print(f"jaxdist: the run already has its {cfg.run.steps} steps; raise run.steps to train further")
 
     log = MetricsLog(out_dir, cfg.run.tensorboard)
     peak = PEAK_FLOPS.get(jax.local_devices()[0].device_kind) if mcfg.dtype == jnp.bfloat16 else None
@@ -261,7 +263,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     meta_out = {"model": model_meta, "layout": layout, "config": cfg.to_dict()}
 
     def save(step: int):
-        if ckpt is not None and step > 0:
+        if ckpt is not None and step > 0 and step != ckpt.latest():  # a resumed, finished run has it already
             ckpt.save(step, state, run.params(state), {**meta_out, "step": step})
 
     step = start
