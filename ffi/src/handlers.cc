@@ -212,29 +212,25 @@ ffi::Error MemcpyImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::An
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdist_nccl_collective, CollectiveImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("comm_key")
-                                  .Attr<int64_t>("kind")
-                                  .Attr<int64_t>("redop")
-                                  .Attr<ffi::Span<const int64_t>>("perm_src")
-                                  .Attr<ffi::Span<const int64_t>>("perm_dst"));
+namespace {
+// The signature of a one-shot collective: the handler and its ungrouped benchmark twin.
+auto CollectiveBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<int64_t>("comm_key")
+      .Attr<int64_t>("kind")
+      .Attr<int64_t>("redop")
+      .Attr<ffi::Span<const int64_t>>("perm_src")
+      .Attr<ffi::Span<const int64_t>>("perm_dst");
+}
+}  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdist_bench_ungrouped, UngroupedImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("comm_key")
-                                  .Attr<int64_t>("kind")
-                                  .Attr<int64_t>("redop")
-                                  .Attr<ffi::Span<const int64_t>>("perm_src")
-                                  .Attr<ffi::Span<const int64_t>>("perm_dst"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdist_nccl_collective, CollectiveImpl, CollectiveBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdist_bench_ungrouped, UngroupedImpl, CollectiveBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdist_nccl_start, StartImpl,
                               ffi::Ffi::Bind()
