@@ -47,11 +47,40 @@ from jaxdist.tp_plan import Binding, TPPlan, bind, from_storage, to_storage
 @dataclasses.dataclass(frozen=True)
 class Units:
     """How a model splits into units: `embed(model, batch) -> x`, then every block of
-    `getattr(model, blocks)` as `x = block(x)`, then `head_loss(model, x, batch) -> loss`."""
+    `getattr(model, blocks)` as `x = block_call(block, x, batch)`, then
+    `head_loss(model, x, batch) -> loss`.
+
+    Attributes:
+      embed: the part before the blocks.
+      head_loss: the part after the blocks and the loss: a scalar mean, or with
+        `sum_and_count` a pair `(sum, count)`; with `has_aux` a pair `(loss, aux)`.
+      blocks: the attribute holding the blocks: a sequence (`nnx.List`) or, with
+        `stacked`, one module whose parameters have a leading layer axis
+        (made with `nnx.vmap`, run with `nnx.scan`); unit i is layer i.
+      block_call: how one block runs (default `block(x)`): side inputs from the
+        batch (positions, masks, segment ids), and the activations picked out of
+        a tuple output, e.g. `lambda blk, x, b: blk(x, b["pos"], b["mask"])[1]`.
+        The batch is this data rank's rows; under sequence parallelism `x` is this
+        tp rank's sequence chunk while the batch's arrays stay whole.
+      stacked: `blocks` is a stacked module (see above).
+      has_aux: `head_loss` returns `(loss, aux)`; aux (a pytree of arrays, not
+        differentiated) comes back in `metrics["aux"]`: a leaf whose leading
+        dimension is the local batch size holds per-example values and comes back
+        for the whole global batch, every other leaf is averaged over the data ranks.
+      sum_and_count: `head_loss`'s loss is `(sum, count)` (e.g. of real tokens under
+        a padding mask); the loss is the sum over all data ranks divided by the
+        count over all data ranks, and so are the gradients (the single-device
+        token mean, where a mean of per-rank means is not when ranks hold
+        different counts).
+    """
 
     embed: Callable[[nnx.Module, Any], jax.Array]
-    head_loss: Callable[[nnx.Module, jax.Array, Any], jax.Array]
+    head_loss: Callable[[nnx.Module, jax.Array, Any], Any]
     blocks: str = "blocks"
+    block_call: Callable[[nnx.Module, jax.Array, Any], jax.Array] | None = None
+    stacked: bool = False
+    has_aux: bool = False
+    sum_and_count: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,9 +196,9 @@ class ParallelRun:
         self.mesh = jax.sharding.Mesh(
             cfg.mesh.devices, cfg.mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(cfg.mesh.axis_names)
         )
-        tp = cfg.tp
-        if cfg.plan is not None and tp > 1:
-            cfg.plan.check(model, tp)
+        self._split_blocks(model, units)
+        if cfg.plan is not None and cfg.tp > 1:
+            cfg.plan.check(model, cfg.tp, modules=self._plan_modules(model))
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         _refuse_mutable_state(self.rest)
         self.template = params
@@ -178,29 +207,24 @@ class ParallelRun:
         paths = [tuple(getattr(k, "key", getattr(k, "idx", k)) for k in kp) for kp, _ in flat]
         n_store = cfg._size(cfg.storage_axis) if cfg.storage_axis else 0
         self.leaves = [self._leaf(path, x, n_store) for path, (_, x) in zip(paths, flat, strict=True)]
-
-        blocks = getattr(model, units.blocks, None)
-        if blocks is None or not hasattr(blocks, "__len__"):
-            raise ValueError(f"Parallel: the model has no list of blocks at attribute {units.blocks!r}")
-        self.n_blocks = len(blocks)
-        self.block_defs, self.block_rests, self.block_trees = [], [], []
-        for i in range(self.n_blocks):
-            g, p, r = nnx.split(blocks[i], nnx.Param, ...)
-            self.block_defs.append(g)
-            self.block_rests.append(r)
-            self.block_trees.append(jax.tree.structure(nnx.to_pure_dict(p)))
-        self.block_leaves = [
-            [k for k, leaf in enumerate(self.leaves) if leaf.path[:2] == (units.blocks, i)]
-            for i in range(self.n_blocks)
-        ]
+        if units.stacked:
+            stacked = [k for k, leaf in enumerate(self.leaves) if leaf.path[0] == units.blocks]
+            self.block_leaves = [stacked] * self.n_blocks
+        else:
+            self.block_leaves = [
+                [k for k, leaf in enumerate(self.leaves) if leaf.path[:2] == (units.blocks, i)]
+                for i in range(self.n_blocks)
+            ]
         outer = [k for k, leaf in enumerate(self.leaves) if leaf.path[0] != units.blocks]
         n_data = int(np.prod([cfg._size(a) for a in cfg.data_axes]))
+        self.n_data = n_data
         self.local_batch = local_batch_avals(
             batch, n_data, "Parallel", f"the {n_data} devices of the data axes {cfg.data_axes}; change the batch size"
         )
         embed = lambda ws, b: self._embed_raw(ws, b, bound=False)
         x_aval = jax.eval_shape(embed, self._avals(outer), self.local_batch)
         head = lambda ws, b: units.head_loss(self._outer_model(ws, False), jnp.zeros(x_aval.shape, x_aval.dtype), b)
+        self.aux_specs = self._aux_specs(jax.eval_shape(head, self._avals(outer), self.local_batch))
         read_by_embed = self._reads(embed, outer)
         read_by_head = self._reads(head, outer)
         self.embed_leaves = [k for k in outer if k in read_by_embed]
@@ -209,19 +233,99 @@ class ParallelRun:
         self.state = self._init_state(pure)
         self.step = jax.jit(self._step, donate_argnums=0)
 
-    # -- layout ----------------------------------------------------------------
+    # -- blocks and layout -----------------------------------------------------------
+
+    def _split_blocks(self, model, units: Units) -> None:
+        """Each block's graphdef (its own code and static attributes), non-parameter state and
+        parameter tree structure; a stacked module's layers share its single-layer graphdef."""
+        blocks = getattr(model, units.blocks, None)
+        if units.stacked:
+            if not isinstance(blocks, nnx.Module) or hasattr(blocks, "__len__"):
+                raise ValueError(
+                    f"Parallel: Units(stacked=True) needs one module with stacked layers at attribute "
+                    f"{units.blocks!r}, got {type(blocks).__name__}; pass stacked=False for a list of blocks"
+                )
+            g, p, r = nnx.split(blocks, nnx.Param, ...)
+            leads = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(p)}
+            if len(leads) != 1 or None in leads:
+                raise ValueError(
+                    f"Parallel: the stacked layers at {units.blocks!r} must hold every parameter with one "
+                    f"leading layer axis; found leading sizes {sorted(leads, key=str)}"
+                )
+            self.n_blocks = leads.pop()
+            layer = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+            self.block_defs = [g] * self.n_blocks
+            self.block_rests = [layer(r, i) for i in range(self.n_blocks)]
+            self.block_trees = [jax.tree.structure(nnx.to_pure_dict(p))] * self.n_blocks
+            self._first_layer = nnx.merge(g, layer(nnx.to_pure_dict(p), 0), self.block_rests[0])
+            return
+        if blocks is None or not hasattr(blocks, "__len__"):
+            hint = (
+                "; for layers stacked with nnx.vmap pass Units(stacked=True)" if isinstance(blocks, nnx.Module) else ""
+            )
+            raise ValueError(f"Parallel: the model has no list of blocks at attribute {units.blocks!r}{hint}")
+        self.n_blocks = len(blocks)
+        self.block_defs, self.block_rests, self.block_trees = [], [], []
+        for i in range(self.n_blocks):
+            g, p, r = nnx.split(blocks[i], nnx.Param, ...)
+            self.block_defs.append(g)
+            self.block_rests.append(r)
+            self.block_trees.append(jax.tree.structure(nnx.to_pure_dict(p)))
+
+    def _plan_modules(self, model):
+        """The model's modules as the plan sees them: a stacked module as one layer (its own
+        parameter shapes without the layer axis) at the stacked module's path."""
+        if not self.units.stacked:
+            return list(nnx.iter_graph(model))
+        name = self.units.blocks
+        outer = [(path, m) for path, m in nnx.iter_graph(model) if not path or path[0] != name]
+        return outer + [((name, *path), m) for path, m in nnx.iter_graph(self._first_layer)]
+
+    def _block_prefix(self, i: int) -> tuple:
+        return (self.units.blocks,) if self.units.stacked else (self.units.blocks, i)
 
     def _leaf(self, path, x, n_store) -> _Leaf:
         cfg = self.cfg
+        # a stacked leaf's layer axis is never split: tp and storage dims count past it
+        skip = 1 if self.units.stacked and path[0] == self.units.blocks else 0
         dim, groups = (None, 1)
         if cfg.plan is not None and cfg.tp > 1:
-            dim, groups = cfg.plan.param_split(path, x.ndim)
+            dim, groups = cfg.plan.param_split(path, x.ndim - skip)
+            dim = None if dim is None else dim + skip
         local = tuple(s // cfg.tp if d == dim else s for d, s in enumerate(x.shape))
         store = None
         if n_store:  # the largest dimension of the tp piece that divides evenly
-            fits = [d for d in range(len(local)) if local[d] % n_store == 0]
+            fits = [d for d in range(skip, len(local)) if local[d] % n_store == 0]
             store = max(fits, key=lambda d: (local[d], -d)) if fits else None
         return _Leaf(path, tuple(x.shape), x.dtype, dim, groups, local, store)
+
+    def _store_dim(self, k: int, piece) -> int | None:
+        """The storage dim of leaf `k` in `piece` (one layer of a stacked leaf has one axis fewer)."""
+        leaf = self.leaves[k]
+        return None if leaf.store_dim is None else leaf.store_dim - (len(leaf.shape) - piece.ndim)
+
+    def _aux_specs(self, out_aval):
+        """Check `head_loss`'s output against the units' flags; the out spec of each aux leaf."""
+        units = self.units
+        loss = out_aval
+        if units.has_aux:
+            if not (isinstance(out_aval, tuple) and len(out_aval) == 2):
+                raise ValueError("Parallel: Units(has_aux=True) needs head_loss to return (loss, aux)")
+            loss, aux = out_aval
+        if units.sum_and_count:
+            ok = isinstance(loss, tuple) and len(loss) == 2 and all(x.shape == () for x in loss)
+            if not ok:
+                raise ValueError(
+                    "Parallel: Units(sum_and_count=True) needs head_loss's loss to be (sum, count) scalars"
+                )
+        elif not (hasattr(loss, "shape") and loss.shape == ()):
+            flag = "; pass Units(has_aux=True) or Units(sum_and_count=True)" if isinstance(loss, tuple) else ""
+            raise ValueError(f"Parallel: head_loss must return a scalar loss{flag}, got {loss}")
+        if not units.has_aux:
+            return None
+        rows = jax.tree.leaves(self.local_batch)[0].shape[0]
+        per_example = P(_axes(self.cfg.data_axes)) if self.cfg.data_axes else P()
+        return jax.tree.map(lambda a: per_example if a.ndim and a.shape[0] == rows else P(), aux)
 
     def _spec(self, leaf: _Leaf) -> P:
         cfg = self.cfg
@@ -314,13 +418,26 @@ class ParallelRun:
         return x
 
     def _head(self, ws, x, batch):
-        return self.units.head_loss(self._outer_model(self._seq_local(ws)), x, batch)
+        """`(total, (count or None, aux or None))` of the head's loss."""
+        units = self.units
+        out = units.head_loss(self._outer_model(self._seq_local(ws)), x, batch)
+        loss, aux = out if units.has_aux else (out, None)
+        total, count = loss if units.sum_and_count else (loss, None)
+        return total, (count, aux)
 
-    def _block(self, i: int, ws: dict, x):
+    def _block(self, i: int, ws: dict, x, batch):
         ws = self._seq_local(ws)
         pure = self.block_trees[i].unflatten([ws[k] for k in self.block_leaves[i]])
-        block = nnx.merge(self.block_defs[i], pure, self.block_rests[i])
-        return self._bound(block, (self.units.blocks, i))(x)
+        block = self._bound(nnx.merge(self.block_defs[i], pure, self.block_rests[i]), self._block_prefix(i))
+        call = self.units.block_call
+        y = call(block, x, batch) if call is not None else block(x)
+        if getattr(y, "shape", None) != x.shape:
+            shape = getattr(y, "shape", type(y).__name__)
+            raise ValueError(
+                f"Parallel: block {i} returned {shape} for activations of shape {x.shape}; pass "
+                "Units(block_call=...) returning the activations, e.g. `lambda blk, x, b: blk(x, b['pos'])[1]`"
+            )
+        return y
 
     def _reads(self, fn, indices) -> set[int]:
         """The leaves among `indices` that `fn(pieces, batch)` reads."""
@@ -338,7 +455,7 @@ class ParallelRun:
         others = tuple(a for a in cfg.data_axes if a != axis)
 
         def gather_start(ws: dict, tok):
-            sharded = [k for k in sorted(ws) if self.leaves[k].store_dim is not None]
+            sharded = [k for k in sorted(ws) if self._store_dim(k, ws[k]) is not None]
             if not sharded:
                 return (None, ws), tok
             flat = jnp.concatenate([ws[k].reshape(-1) for k in sharded])
@@ -352,24 +469,24 @@ class ParallelRun:
             stacked, tok = comm.wait(h, tok)  # (n, S): every storage rank's pieces
             out, offset = dict(ws), 0
             for k in sorted(ws):
-                leaf = self.leaves[k]
-                if leaf.store_dim is None:
+                dim = self._store_dim(k, ws[k])
+                if dim is None:
                     continue
                 size = ws[k].size
                 part = stacked[:, offset : offset + size].reshape(stacked.shape[0], *ws[k].shape)
-                out[k] = jnp.concatenate(list(part), axis=leaf.store_dim) if stacked.shape[0] > 1 else part[0]
+                out[k] = jnp.concatenate(list(part), axis=dim) if stacked.shape[0] > 1 else part[0]
                 offset += size
             return out, tok
 
         def reduce_start(gs: dict, tok):
             n = cfg._size(axis) if axis else 1
-            sharded = [k for k in sorted(gs) if self.leaves[k].store_dim is not None]
-            rest = [k for k in sorted(gs) if self.leaves[k].store_dim is None]
+            sharded = [k for k in sorted(gs) if self._store_dim(k, gs[k]) is not None]
+            rest = [k for k in sorted(gs) if self._store_dim(k, gs[k]) is None]
             handles = [None, None]
             if sharded:
                 chunks = []
                 for k in sharded:
-                    g, d = gs[k], self.leaves[k].store_dim
+                    g, d = gs[k], self._store_dim(k, gs[k])
                     g = g.reshape(*g.shape[:d], n, g.shape[d] // n, *g.shape[d + 1 :])
                     chunks.append(jnp.moveaxis(g, d, 0).reshape(n, -1))
                 packed = jnp.concatenate(chunks, axis=1)
@@ -391,11 +508,11 @@ class ParallelRun:
                     flat, tok = comm.all_reduce(flat, _axes(others), tok, op="mean", backend=cfg.backend)
                 offset = 0
                 for k in sorted(gs):
-                    leaf = self.leaves[k]
-                    if leaf.store_dim is None:
+                    dim = self._store_dim(k, gs[k])
+                    if dim is None:
                         continue
                     shape = list(gs[k].shape)
-                    shape[leaf.store_dim] //= cfg._size(axis)
+                    shape[dim] //= cfg._size(axis)
                     size = int(np.prod(shape))
                     out[k] = flat[offset : offset + size].reshape(shape)
                     offset += size
@@ -403,7 +520,7 @@ class ParallelRun:
                 flat, tok = comm.wait(reduced, tok)
                 offset = 0
                 for k in sorted(gs):
-                    if self.leaves[k].store_dim is None:
+                    if self._store_dim(k, gs[k]) is None:
                         out[k] = flat[offset : offset + gs[k].size].reshape(gs[k].shape)
                         offset += gs[k].size
             return out, tok
@@ -421,6 +538,8 @@ class ParallelRun:
         batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self._sharding(batch_spec)), batch)
         specs = self._param_specs()
         metrics_spec = {"loss": P()}
+        if self.aux_specs is not None:
+            metrics_spec["aux"] = self.aux_specs
         if cfg.record_weights:
             metrics_spec["weights_used"] = P()
         body = jax.shard_map(
@@ -452,6 +571,10 @@ class ParallelRun:
         kept = AsyncOp(lambda w, tok: ((w,), tok), lambda h, tok: (h[0], tok), "engine.kept")
         pieces = dict(enumerate(jax.tree.leaves(params)))
         unit = lambda ks: {k: pieces[k] for k in ks}
+        if self.units.stacked:  # block i: layer i of every stacked leaf
+            block_unit = lambda i: {k: pieces[k][i] for k in self.block_leaves[i]}
+        else:
+            block_unit = lambda i: unit(self.block_leaves[i])
         tok = comm.token()
 
         # forward: the embedding, then block i+1 gathered while block i computes
@@ -460,7 +583,7 @@ class ParallelRun:
         saved_x, saved_w, used = [], [], []
 
         def block_fn(i):
-            fn = lambda w, x: self._block(i, w, x)
+            fn = lambda w, x: self._block(i, w, x, batch)
             return jax.checkpoint(fn) if cfg.remat else fn
 
         def forward(i, w, x):
@@ -476,12 +599,18 @@ class ParallelRun:
             self.n_blocks,
             tok,
             fetch=gather,
-            fetch_input=lambda i, _: unit(self.block_leaves[i]),
+            fetch_input=lambda i, _: block_unit(i),
             unroll=True,
         )
         head_w, tok = _fetch(gather, unit(self.head_leaves), tok)
-        loss, head_vjp = jax.vjp(lambda w, x: self._head(w, x, batch), head_w, xl)
-        d_head, dx = head_vjp(jnp.ones_like(loss))
+        total, head_vjp, (count, aux) = jax.vjp(lambda w, x: self._head(w, x, batch), head_w, xl, has_aux=True)
+        seed = jnp.ones_like(total)
+        if count is not None:  # d(global sum / global count): the data-rank mean below restores the sum
+            count = count.astype(jnp.float32)
+            if cfg.data_axes:
+                count, tok = comm.all_reduce(count, _axes(cfg.data_axes), tok, op="sum", backend=cfg.backend)
+            seed = (seed * self.n_data / count).astype(total.dtype)
+        d_head, dx = head_vjp(seed)
         tied = {k: d_head.pop(k) for k in self.tied}
         head_handle, tok = reduce.start(d_head, tok) if d_head else (None, tok)
 
@@ -492,11 +621,11 @@ class ParallelRun:
             return dx_in, dw, None
 
         def finish(i, g, acc, tok):
-            return {**acc, **g}, tok
+            return {**acc, i: g}, tok
 
         fetch = gather if cfg.regather else kept
-        fetch_input = (lambda i, _: unit(self.block_leaves[i])) if cfg.regather else (lambda i, _: saved_w[i])
-        dx0, tok, grads, _ = pipelined_loop(
+        fetch_input = (lambda i, _: block_unit(i)) if cfg.regather else (lambda i, _: saved_w[i])
+        dx0, tok, per_block, _ = pipelined_loop(
             backward,
             dx,
             self.n_blocks,
@@ -509,6 +638,10 @@ class ParallelRun:
             reverse=True,
             unroll=True,
         )
+        if self.units.stacked:  # the stacked leaves' gradients, layer by layer
+            grads = {k: jnp.stack([per_block[i][k] for i in range(self.n_blocks)]) for k in self.block_leaves[0]}
+        else:
+            grads = {k: g for i in range(self.n_blocks) for k, g in per_block[i].items()}
         (d_embed,) = embed_vjp(dx0)
         d_embed = {k: g + tied[k] if k in tied else g for k, g in d_embed.items()}
         g_embed, tok = _fetch(reduce, d_embed, tok)
@@ -516,9 +649,16 @@ class ParallelRun:
         if head_handle is not None:
             g_head, tok = reduce.wait(head_handle, tok)
             grads.update(g_head)
+        loss = total
         if cfg.data_axes:
-            loss, tok = comm.all_reduce(loss, _axes(cfg.data_axes), tok, op="mean", backend=cfg.backend)
+            op = "mean" if count is None else "sum"
+            loss, tok = comm.all_reduce(loss, _axes(cfg.data_axes), tok, op=op, backend=cfg.backend)
+        if count is not None:
+            loss = loss / count.astype(loss.dtype)
         metrics = {"loss": loss}
+        if aux is not None:
+            aux, tok = self._reduce_aux(aux, tok)
+            metrics["aux"] = aux
         if cfg.record_weights:
             stacked = jnp.stack(used)
             if cfg.tp > 1:
@@ -526,6 +666,19 @@ class ParallelRun:
             metrics["weights_used"] = stacked
         out = [grads[k].astype(self.leaves[k].dtype) for k in range(len(self.leaves))]
         return self.treedef.unflatten(out), metrics
+
+    def _reduce_aux(self, aux, tok):
+        """Average the scalar-like aux leaves over the data ranks (per-example ones leave as they are)."""
+        leaves, tree = jax.tree.flatten(aux)
+        specs = jax.tree.leaves(self.aux_specs, is_leaf=lambda s: isinstance(s, P))
+        out = []
+        for x, spec in zip(leaves, specs, strict=True):
+            if spec == P() and self.cfg.data_axes:
+                x, tok = comm.all_reduce(
+                    x.astype(jnp.float32), _axes(self.cfg.data_axes), tok, op="mean", backend=self.cfg.backend
+                )
+            out.append(x)
+        return tree.unflatten(out), tok
 
     def _weight_sum(self, ws: dict):
         """Sum of a unit's gathered weights, replicated pieces counted once over tp."""

@@ -112,11 +112,12 @@ class TPPlan:
             return None, 1
         return placement.split_dim(str(param_path[-1]), ndim), placement.groups
 
-    def check(self, model: nnx.Module, size: int) -> None:
+    def check(self, model: nnx.Module, size: int, modules=None) -> None:
         """Raise if a rule matches nothing, a matched module cannot take its placement, or a size
-        does not divide by `size`."""
+        does not divide by `size`. `modules`: the (path, module) pairs to check instead of
+        `nnx.iter_graph(model)` (the engine passes a stacked module as one layer)."""
         used = set()
-        for path, module in nnx.iter_graph(model):
+        for path, module in nnx.iter_graph(model) if modules is None else modules:
             if not isinstance(module, nnx.Module):
                 continue
             placement = self.placement(path)
@@ -132,6 +133,73 @@ class TPPlan:
         unused = sorted(set(self.layers) - used)
         if unused:
             raise ValueError(f"TPPlan: rules {unused} match no module of the model; check the paths")
+
+    @classmethod
+    def from_annotations(
+        cls,
+        model: nnx.Module,
+        rules,
+        *,
+        axis: str = "tp",
+        divide: Mapping[str, tuple[str, ...]] | None = None,
+        overrides: Mapping[str, Placement] | None = None,
+    ) -> TPPlan:
+        """A plan from the model's own sharding annotations (`nnx.with_partitioning(init, names)`).
+
+        `rules` maps the annotations' logical axis names to mesh axes (a dict, or the
+        `(name, mesh axis)` pairs of `nnx.logical_axis_rules`); names mapped to `axis` split
+        over tp. A layer with a `kernel` whose output axis (last) maps to tp is column
+        parallel, whose input axis (second to last) maps to tp is row parallel; an
+        `nnx.Embed` whose table's vocabulary axis maps to tp is vocab parallel. Any other
+        parameter axis mapped to tp raises (no placement splits it). Annotations carry no
+        static attributes nor whether a column layer's output must be gathered: pass
+        `divide` and `overrides` (rules that replace the derived ones they match, e.g.
+        `{"head": column(gather_output=True)}`). A layer axis added by `nnx.vmap` is skipped
+        (axes count from the end).
+        """
+        table = dict(rules)
+
+        def on_tp(name) -> bool:
+            target = table.get(name, name) if name is not None else None
+            return axis in (target if isinstance(target, (tuple, list)) else (target,))
+
+        overrides = dict(overrides or {})
+        layers: dict[str, Placement] = {}
+        for path, module in nnx.iter_graph(model):
+            if not isinstance(module, nnx.Module) or not path:
+                continue
+            where = "/".join(map(str, path))
+            params = {k: v for k, v in vars(module).items() if isinstance(v, nnx.Param)}
+            split = {k: [i for i, n in enumerate(_annotation(v)) if on_tp(n)] for k, v in params.items()}
+            split = {k: [i - len(_annotation(params[k])) for i in dims] for k, dims in split.items() if dims}
+            if not split or any(_matches(p, path) for p in overrides):
+                continue
+            placement = _placement_from_split(where, module, split)
+            layers[where] = placement
+        return cls({**layers, **overrides}, dict(divide or {}))
+
+
+def _annotation(var: nnx.Variable) -> tuple:
+    """The logical axis names a parameter was annotated with (empty without)."""
+    meta = var.get_metadata()
+    names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding") or ()
+    return tuple(names)
+
+
+def _placement_from_split(where: str, module, split: dict) -> Placement:
+    """The placement whose split dims (counted from the end) are the annotated ones, or raise."""
+    if isinstance(module, nnx.Embed) and split == {"embedding": [-2]}:
+        return vocab()
+    candidates = {"column": {"kernel": [-1], "bias": [-1]}, "row": {"kernel": [-2]}}
+    for kind, dims in candidates.items():
+        if "kernel" in split and all(dims.get(k) == d for k, d in split.items()):
+            return Placement(kind)
+    detail = ", ".join(f"{k} axes {d}" for k, d in split.items())
+    raise ValueError(
+        f"TPPlan.from_annotations: {where} ({type(module).__name__}) maps {detail} (from the end) to tp, "
+        "which no placement splits (column: kernel's last axis, row: its second to last, vocab: an "
+        "nnx.Embed's vocabulary axis); change the annotation or pass overrides={path: placement}"
+    )
 
 
 def _check_module(path, module, placement: Placement, size: int) -> None:
