@@ -22,6 +22,8 @@ bool stopping = false;
 std::string failure;
 std::string record_path;
 std::atomic<int> process_index{-1};
+int64_t stuck_key = -1;  // the communicator and op that tripped the watchdog
+uint64_t stuck_seq = 0;
 
 int64_t SteadyNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -35,10 +37,10 @@ std::string Describe(const Comm& comm, const OpRecord& r, double waited_s) {
   if (process_index >= 0) what += ", process " + std::to_string(process_index.load());
   if (r.step >= 0) what += ", step " + std::to_string(r.step);
   what += ", " + std::to_string(r.count) + " x " + DtypeName(r.dtype) + ")";
-  char secs[32];
-  std::snprintf(secs, sizeof(secs), "%.1f", waited_s);
-  return "jaxdist nccl watchdog: " + what + " has not completed after " + secs + " s (deadline " +
-         std::to_string(TimeoutMs() / 1000.0).substr(0, 6) + " s, set JAXDIST_NCCL_TIMEOUT_S to change it); " +
+  char secs[96];
+  std::snprintf(secs, sizeof(secs), "%.1f s (deadline %g s", waited_s, TimeoutMs() / 1000.0);
+  return "jaxdist nccl watchdog: " + what + " has not completed after " + secs +
+         ", set JAXDIST_NCCL_TIMEOUT_S to change it); " +
          (r.state == OpState::kStarted ? "it started on the GPU and waits for a peer"
                                        : "it has not started on the GPU: an earlier op or kernel is stuck");
 }
@@ -92,9 +94,15 @@ std::string FlightRecordJson(bool with_ops) {
              (with_ops ? ", \"ops\": " + c.recorder.OpsJson() : std::string()) + "}";
   });
   std::string why = WatchdogFailure();
+  std::string stuck = "null";
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (stuck_key >= 0)
+      stuck = "{\"key\": " + std::to_string(stuck_key) + ", \"seq\": " + std::to_string(stuck_seq) + "}";
+  }
   return "{\"pid\": " + std::to_string(getpid()) + ", \"process\": " + std::to_string(process_index.load()) +
          ", \"step\": " + std::to_string(CurrentStep()) + ", \"timeout_s\": " + std::to_string(TimeoutMs() / 1000.0) +
-         ", \"failure\": " + (why.empty() ? "null" : JsonString(why)) + ", \"communicators\": [" + comms + "]}";
+         ", \"failure\": " + (why.empty() ? "null" : JsonString(why)) + ", \"stuck\": " + stuck + ", \"communicators\": [" + comms + "]}";
 }
 
 void TripWatchdog(const std::string& why) {
@@ -121,12 +129,26 @@ void WatchdogCheck() {
   const int64_t now = SteadyNs();
   const int64_t deadline_ns = TimeoutMs() * 1000000;
   std::string why;
-  ForEachCommOfAllKeys([&](int64_t, Comm& c) {
+  int64_t key = -1;
+  uint64_t seq = 0;
+  ForEachCommOfAllKeys([&](int64_t k, Comm& c) {
     if (!why.empty() || c.aborted) return;
     OpRecord r = c.recorder.OldestUnfinished();
-    if (r.seq != 0 && now - r.enqueued_ns > deadline_ns) why = Describe(c, r, (now - r.enqueued_ns) / 1e9);
+    if (r.seq != 0 && now - r.enqueued_ns > deadline_ns) {
+      why = Describe(c, r, (now - r.enqueued_ns) / 1e9);
+      key = k;
+      seq = r.seq;
+    }
   });
-  if (!why.empty()) TripWatchdog(why);
+  if (why.empty()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (failure.empty()) {
+      stuck_key = key;
+      stuck_seq = seq;
+    }
+  }
+  TripWatchdog(why);
 }
 
 void StartWatchdog(int64_t period_ms) {

@@ -8,8 +8,10 @@ key-value store. Non-blocking communicators (`blocking=False`) return from
 Environment:
   JAXDIST_NCCL_LIBRARY         libnccl.so.2 to load (default: the nvidia.nccl wheel's,
                                the one JAX's CUDA plugin uses)
-  JAXDIST_NCCL_TIMEOUT_S       deadline for any NCCL call to leave ncclInProgress (300)
+  JAXDIST_NCCL_TIMEOUT_S       deadline for any NCCL call to leave ncclInProgress, and for every
+                               enqueued op to finish on the GPU (the watchdog; 300)
   JAXDIST_NCCL_DEBUG_DELAY_US  sleep this long on the stream before every NCCL op (race tests)
+  (the flight recorder's and the watchdog's: see jaxdist.comm.watchdog)
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxdist import _native
+from jaxdist.comm import watchdog
 from jaxdist.comm._backend import Backend, current_site, floating_and_int_dtypes
 from jaxdist.comm._sequence import sequence
+from jaxdist.comm.watchdog import NcclTimeoutError, check, flight_record  # noqa: F401  (the public API)
 
 NCCL_LIBRARY_ENV = "JAXDIST_NCCL_LIBRARY"
 TIMEOUT_ENV = "JAXDIST_NCCL_TIMEOUT_S"
@@ -77,11 +81,13 @@ def load() -> ctypes.CDLL:
     lib.jaxdist_set_poll_mode(_poll_mode(os.environ.get(POLL_ENV, "yield")))
     for name in _TARGETS:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="CUDA")
+    watchdog.start(_timeout_s())
     return lib
 
 
 def set_timeout(seconds: float) -> None:
-    """Deadline for every NCCL call to finish its enqueue (default 300 s)."""
+    """Deadline for every NCCL call to finish its enqueue, and for every enqueued op to
+    finish on the GPU before the watchdog aborts (default 300 s, or $JAXDIST_NCCL_TIMEOUT_S)."""
     load().jaxdist_set_timeout_ms(int(seconds * 1000))
 
 

@@ -1,0 +1,228 @@
+"""Hangs become errors on the nccl backend: the flight recorder and the watchdog, seen from Python.
+
+The C++ library numbers every op of each communicator and keeps its last records
+in a ring (op, axis, dtype, count, peers, step, enqueue time, GPU state); its
+watchdog thread trips when an op stays unfinished past the deadline: it writes
+the records to a file, aborts every communicator and fails every later op.
+This module adds what needs Python: the records as a dict (`flight_record`),
+the exception in the main thread, and the ranks' view of each other through
+`jax.distributed`'s key-value store (each process publishes how far it got, so
+the error names the ranks that never issued the stuck op, and a failure on one
+process trips the watchdog of every other). Without `jax.distributed` the local
+half works alone.
+
+Environment:
+  JAXDIST_NCCL_TIMEOUT_S     the deadline (seconds) for an op to finish (300)
+  JAXDIST_NCCL_WATCHDOG      0 turns the watchdog off (the recorder stays on)
+  JAXDIST_FLIGHT_RECORDER    0 turns the flight recorder off (and so the watchdog)
+  JAXDIST_FLIGHT_RECORD_DIR  where a failure writes jaxdist-flight-record-p<process>-pid<pid>.json (cwd)
+  JAXDIST_FLIGHT_RECORD_SIZE records kept per communicator (2048)
+  JAXDIST_NCCL_EXIT_GRACE_S  after a trip, how long the main thread has to take the exception
+                             before the process exits with status 1 (10)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import threading
+import time
+
+from jaxdist import _native
+
+WATCHDOG_ENV = "JAXDIST_NCCL_WATCHDOG"
+RECORDER_ENV = "JAXDIST_FLIGHT_RECORDER"
+EXIT_GRACE_ENV = "JAXDIST_NCCL_EXIT_GRACE_S"
+_KV_PREFIX = "jaxdist/watchdog"
+
+
+class NcclTimeoutError(RuntimeError):
+    """An NCCL op did not finish before the deadline (here or on another process)."""
+
+
+_monitor: _Monitor | None = None
+
+
+def _off(env: str) -> bool:
+    return os.environ.get(env, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def start(timeout_s: float) -> None:
+    """Turn on the recorder and start the watchdog (the C++ thread and this module's monitor), once."""
+    global _monitor
+    lib = _native.ffi_library()
+    recording = not _off(RECORDER_ENV)
+    lib.jaxdist_flight_set_enabled(int(recording))
+    lib.jaxdist_flight_set_process(_process_index())
+    if _monitor is not None or not recording or _off(WATCHDOG_ENV):
+        return
+    lib.jaxdist_watchdog_start(int(_period_s(timeout_s) * 1000))
+    _monitor = _Monitor(threading.main_thread().ident, _period_s(timeout_s))
+    _monitor.start()
+
+
+def stop() -> None:
+    """Stop both threads (at exit, before the communicators are destroyed)."""
+    global _monitor
+    if _monitor is not None:
+        _monitor.halt()
+        _monitor = None
+        _native.ffi_library().jaxdist_watchdog_stop()
+
+
+def _period_s(timeout_s: float) -> float:
+    """How often to look: often enough to fire within a small part of the deadline, at most once a second."""
+    return min(1.0, max(0.05, timeout_s / 10))
+
+
+def set_step(step: int) -> None:
+    """The step the host is running: recorded with every op from now on (no-op before the backend loads)."""
+    if _monitor is not None or _native.ffi_library.cache_info().currsize:
+        _native.ffi_library().jaxdist_flight_set_step(int(step))
+
+
+def flight_record(ops: bool = True) -> dict:
+    """Every communicator's flight record: its last enqueued and completed sequence numbers
+    and (with `ops`) its recorded ops, oldest first, each with its state now."""
+    return json.loads(_native.read_string("jaxdist_flight_record", int(ops)))
+
+
+def failure() -> str:
+    """The watchdog's message, or "" while nothing tripped."""
+    return _native.read_string("jaxdist_watchdog_failure")
+
+
+def check() -> None:
+    """Raise NcclTimeoutError if the watchdog tripped (here, or on another process)."""
+    if _monitor is not None:
+        _monitor.tick()
+    if msg := failure():
+        raise NcclTimeoutError(_monitor.message if _monitor and _monitor.message else msg)
+
+
+# -- the ranks' view of each other -----------------------------------------------
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def _kv_client():
+    """jax.distributed's key-value store client, or None when it is not running."""
+    try:
+        from jax._src import distributed
+
+        return distributed.global_state.client
+    except Exception:  # noqa: BLE001  (an internal API: absent means no cross-rank view)
+        return None
+
+
+def _progress_of_all(client) -> dict[int, list[dict]]:
+    out = {}
+    for key, value in client.key_value_dir_get(f"{_KV_PREFIX}/progress/"):
+        out[int(key.rsplit("/", 1)[-1])] = json.loads(value)
+    return out
+
+
+def missing_ranks(stuck: dict, progress: dict[int, list[dict]]) -> list[dict]:
+    """Ranks of the stuck op's communicator that never issued it: their last enqueued
+    sequence number is below the stuck one's."""
+    return sorted(
+        (
+            {"process": p, "rank": c["rank"], "last_enqueued": c["last_enqueued"]}
+            for p, comms in progress.items()
+            for c in comms
+            if c["key"] == stuck["key"] and c["last_enqueued"] < stuck["seq"]
+        ),
+        key=lambda r: r["rank"],
+    )
+
+
+def _describe_missing(stuck: dict | None, client) -> str:
+    if stuck is None:
+        return ""
+    if client is None:
+        return " (jax.distributed is not running, so which rank never came is unknown)"
+    missing = missing_ranks(stuck, _progress_of_all(client))
+    if not missing:
+        return " (every rank issued it: look for the rank whose GPU work is stuck)"
+    names = ", ".join(f"rank {m['rank']} (process {m['process']}, last issued #{m['last_enqueued']})" for m in missing)
+    return f"; never issued by: {names}"
+
+
+class _Monitor(threading.Thread):
+    """Publishes this process's progress, turns a trip (local or a peer's) into an exception in the main thread."""
+
+    def __init__(self, main_thread_id: int, period_s: float):
+        super().__init__(name="jaxdist-nccl-watchdog", daemon=True)
+        self.period_s = period_s
+        self.main_thread_id = main_thread_id
+        self.message = ""
+        self.delivered = threading.Event()
+        self._halt = threading.Event()
+        self._lock = threading.Lock()
+        self._published = ""
+        self._process = _process_index()
+
+    def halt(self) -> None:
+        self._halt.set()
+
+    def run(self) -> None:
+        while not self._halt.wait(self.period_s):
+            try:
+                self.tick()
+            except Exception as e:  # noqa: BLE001  (a broken key-value store must not kill the watchdog)
+                print(f"jaxdist watchdog: {e}", file=sys.stderr)
+            if self.message and not self.delivered.wait(_exit_grace_s()):
+                # The main thread never ran Python again (blocked in native code that the abort
+                # did not release): end the process rather than hang.
+                print(f"jaxdist: {self.message}; exiting", file=sys.stderr, flush=True)
+                os._exit(1)
+
+    def tick(self) -> None:
+        with self._lock:
+            client = _kv_client()
+            if self.message:
+                return
+            if msg := failure():
+                self._fail(msg, client)
+                return
+            if client is None:
+                return
+            progress = json.dumps(flight_record(ops=False)["communicators"])
+            if progress != self._published:
+                client.key_value_set(f"{_KV_PREFIX}/progress/{self._process}", progress, allow_overwrite=True)
+                self._published = progress
+            for key, value in client.key_value_dir_get(f"{_KV_PREFIX}/failure/"):
+                if int(key.rsplit("/", 1)[-1]) != self._process:
+                    why = f"jaxdist nccl watchdog: another process failed: {value}"
+                    _native.ffi_library().jaxdist_watchdog_trip(why.encode())
+                    self._fail(failure(), None)
+                    return
+
+    def _fail(self, msg: str, client) -> None:
+        record = flight_record(ops=False)
+        self.message = msg + _describe_missing(record.get("stuck"), client)
+        if client is not None and "another process failed" not in msg:
+            client.key_value_set(f"{_KV_PREFIX}/failure/{self._process}", self.message, allow_overwrite=True)
+        _raise_in_thread(self.main_thread_id, self.message, self.delivered)
+
+
+def _exit_grace_s() -> float:
+    return float(os.environ.get(EXIT_GRACE_ENV, "10"))
+
+
+def _raise_in_thread(thread_id: int, message: str, delivered: threading.Event) -> None:
+    """Raise NcclTimeoutError(message) in `thread_id` when it next runs Python code (it may be
+    in block_until_ready until the aborted kernels return)."""
+
+    def init(self, *args):
+        NcclTimeoutError.__init__(self, message)
+        delivered.set()
+
+    cls = type("NcclTimeoutError", (NcclTimeoutError,), {"__init__": init, "__module__": __name__})
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(cls))

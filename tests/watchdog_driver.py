@@ -1,0 +1,55 @@
+"""One process of the watchdog tests: an op on a test-double communicator whose
+completion never comes (the fake CUDA driver holds its "finished" event forever).
+
+Run as a subprocess with $JAXDIST_NCCL_LIBRARY and $JAXDIST_CUDA_DRIVER_LIBRARY
+pointing at the test double and a short $JAXDIST_NCCL_TIMEOUT_S. Waits in Python
+(as a training loop blocked on a result would) until the watchdog's exception
+arrives, then prints one JSON object: the error, the seconds from the enqueue to
+the error, the aborts the double saw, and the error of the next op. Without a
+watchdog it waits forever: the test's subprocess timeout bounds it.
+"""
+
+import ctypes
+import json
+import os
+import time
+
+from jaxdist import _native
+from jaxdist.comm import nccl
+
+ALL_REDUCE, ALL_GATHER = 0, 1
+
+
+def main() -> None:
+    fake = ctypes.CDLL(os.environ["JAXDIST_NCCL_LIBRARY"])
+    fake.fake_nccl_log.restype = ctypes.c_char_p
+    nccl.load()
+    n_id = _native.ffi_library().jaxdist_unique_id_bytes()
+    ints = lambda *xs: (ctypes.c_int * len(xs))(*xs)  # noqa: E731
+    # rank 0 of 2 on no real device (-1): the double needs none
+    _native.call("jaxdist_comm_init", 1, 1, b"\x07" * n_id, ints(2), ints(0), ints(-1), 1, b"dp")
+    # op #1 completes; op #2's "started" event completes, its "finished" event never does
+    fake.fake_cuda_stall_after(3)
+    _native.call("jaxdist_test_issue", 1, -1, ALL_REDUCE, 16, -1, -1)
+    nccl.watchdog.set_step(7)
+    _native.call("jaxdist_test_issue", 1, -1, ALL_GATHER, 16, -1, -1)
+    t0 = time.monotonic()
+    out = {}
+    try:
+        while True:
+            time.sleep(0.01)
+    except nccl.NcclTimeoutError as e:
+        out["error"] = str(e)
+        out["seconds"] = time.monotonic() - t0
+    out["aborts"] = fake.fake_nccl_aborts()
+    out["log_tail"] = fake.fake_nccl_log().decode().splitlines()[-1]
+    try:
+        _native.call("jaxdist_test_issue", 1, -1, ALL_REDUCE, 16, -1, -1)
+        out["next_op_error"] = None
+    except RuntimeError as e:
+        out["next_op_error"] = str(e)
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
