@@ -28,7 +28,6 @@ import json
 import os
 import sys
 import threading
-import time
 
 from jaxdist import _native
 
