@@ -5,6 +5,7 @@ the communicator is aborted, and the flight record shows the op started but not 
 import ctypes
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,55 @@ def test_missing_ranks_are_those_that_never_issued_the_stuck_op():
         2: [{"key": 3, "rank": 2, "last_enqueued": 9}],
     }
     assert watchdog.missing_ranks({"key": 3, "seq": 9}, progress) == [{"process": 1, "rank": 1, "last_enqueued": 8}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Two processes joined by jax.distributed: process 0 issues op #2, process 1 never does."""
+    tmp = tmp_path_factory.mktemp("pair")
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "JAX_PLATFORMS": "cpu",
+        "JAXDIST_NCCL_LIBRARY": str(FAKE),
+        "JAXDIST_CUDA_DRIVER_LIBRARY": str(FAKE),
+        "JAXDIST_NCCL_TIMEOUT_S": str(DEADLINE_S),
+        "JAXDIST_FLIGHT_RECORD_DIR": str(tmp),
+    }
+    address = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(DRIVER), str(i), address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
+        for i in range(2)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=120)
+            assert p.returncode == 0, stderr.decode()
+            outs.append(json.loads(stdout.decode().strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            p.kill()
+    return outs
+
+
+def test_the_stuck_rank_names_the_rank_that_never_issued_the_op(pair):
+    err = pair[0]["error"]
+    assert "all_gather #2 on axis 'dp'" in err and "rank 0 of 2" in err
+    assert "never issued by: rank 1 (process 1, last issued #1)" in err
+    assert pair[0]["seconds"] < DEADLINE_S + 2
+
+
+def test_the_rank_that_never_came_fails_too_with_the_same_story(pair):
+    err = pair[1]["error"]
+    assert "process 0 failed" in err and "all_gather #2" in err and "never issued by: rank 1" in err
+    assert pair[1]["seconds"] < DEADLINE_S + 5
+    assert pair[1]["aborts"] == 1  # its communicator is aborted rather than finalized against a stuck peer

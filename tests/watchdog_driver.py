@@ -7,11 +7,17 @@ pointing at the test double and a short $JAXDIST_NCCL_TIMEOUT_S. Waits in Python
 arrives, then prints one JSON object: the error, the seconds from the enqueue to
 the error, the aborts the double saw, and the error of the next op. Without a
 watchdog it waits forever: the test's subprocess timeout bounds it.
+
+`watchdog_driver.py PROCESS COORDINATOR` is one of two processes joined by
+jax.distributed, ranks 0 and 1 of one communicator: both issue op #1, process 0
+alone issues op #2 (which never completes: process 1 is the rank that never
+came), and process 1 ends its run with nccl.shutdown().
 """
 
 import ctypes
 import json
 import os
+import sys
 import time
 
 from jaxdist import _native
@@ -20,24 +26,34 @@ from jaxdist.comm import nccl
 ALL_REDUCE, ALL_GATHER = 0, 1
 
 
-def main() -> None:
+def main(process: int, coordinator: str | None) -> None:
+    if coordinator:
+        import jax
+
+        jax.distributed.initialize(coordinator, 2, process)
     fake = ctypes.CDLL(os.environ["JAXDIST_NCCL_LIBRARY"])
     fake.fake_nccl_log.restype = ctypes.c_char_p
     nccl.load()
     n_id = _native.ffi_library().jaxdist_unique_id_bytes()
     ints = lambda *xs: (ctypes.c_int * len(xs))(*xs)  # noqa: E731
-    # rank 0 of 2 on no real device (-1): the double needs none
-    _native.call("jaxdist_comm_init", 1, 1, b"\x07" * n_id, ints(2), ints(0), ints(-1), 1, b"dp")
+    # rank `process` of 2 on no real device (-1): the double needs none
+    _native.call("jaxdist_comm_init", 1, 1, b"\x07" * n_id, ints(2), ints(process), ints(-1), 1, b"dp")
+    nccl._registry[("test double",)] = 1  # so that nccl.shutdown() ends it like one of its own
     # op #1 completes; op #2's "started" event completes, its "finished" event never does
     fake.fake_cuda_stall_after(3)
     _native.call("jaxdist_test_issue", 1, -1, ALL_REDUCE, 16, -1, -1)
     nccl.watchdog.set_step(7)
-    _native.call("jaxdist_test_issue", 1, -1, ALL_GATHER, 16, -1, -1)
-    t0 = time.monotonic()
     out = {}
+    t0 = time.monotonic()
     try:
-        while True:
-            time.sleep(0.01)
+        if process == 0:
+            _native.call("jaxdist_test_issue", 1, -1, ALL_GATHER, 16, -1, -1)
+            t0 = time.monotonic()
+            while True:
+                time.sleep(0.01)
+        else:
+            time.sleep(0.5)  # let process 0 publish its progress first
+            nccl.shutdown()  # the end of this rank's run: it never issues op #2
     except nccl.NcclTimeoutError as e:
         out["error"] = str(e)
         out["seconds"] = time.monotonic() - t0
@@ -49,7 +65,8 @@ def main() -> None:
     except RuntimeError as e:
         out["next_op_error"] = str(e)
     print(json.dumps(out), flush=True)
+    nccl.shutdown()
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 0, sys.argv[2] if len(sys.argv) > 2 else None)

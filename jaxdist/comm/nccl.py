@@ -22,6 +22,7 @@ import functools
 import importlib.util
 import itertools
 import os
+import sys
 from pathlib import Path
 
 import jax
@@ -205,16 +206,35 @@ def wait_ready() -> None:
 
 
 def shutdown() -> None:
-    """Finalize and destroy every communicator (also run at interpreter exit)."""
-    while _registry:
-        _, key = _registry.popitem()
-        try:
-            _native.call("jaxdist_comm_destroy", key)
-        except RuntimeError as e:  # at exit there is no one left to raise to
-            print(f"jaxdist: {e}")
+    """End of the run: check that every process got to the end with the same ops (multi-process;
+    raises NcclTimeoutError naming the op and the missing rank otherwise), stop the watchdog,
+    then finalize and destroy every communicator (aborted ones are only freed).
+
+    Also run at interpreter exit, before jax's own exit handler shuts jax.distributed down
+    (atexit runs handlers last-registered first, and this module registers after jax's)."""
+    try:
+        if _registry:
+            watchdog.agree_before_shutdown(_timeout_s() + 10)
+    finally:
+        watchdog.stop()
+        while _registry:
+            _, key = _registry.popitem()
+            try:
+                _native.call("jaxdist_comm_destroy", key)
+            except RuntimeError as e:  # at exit there is no one left to raise to
+                print(f"jaxdist: {e}")
 
 
-atexit.register(shutdown)
+def _shutdown_at_exit() -> None:
+    try:
+        shutdown()
+    except NcclTimeoutError as e:
+        # An exception in an exit handler leaves the exit status alone; a failed run must not end with 0.
+        print(f"jaxdist: {e}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+atexit.register(_shutdown_at_exit)
 
 
 def _comm_key(axis_name) -> int:

@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 from jaxdist import _native
 
@@ -67,8 +68,57 @@ def stop() -> None:
     global _monitor
     if _monitor is not None:
         _monitor.halt()
-        _monitor = None
+        _monitor.join()
         _native.ffi_library().jaxdist_watchdog_stop()
+
+
+def agree_before_shutdown(timeout_s: float) -> None:
+    """The end of a multi-process run: publish this process's final sequence numbers and wait
+    (at most `timeout_s`) until every process has, or one reported a failure.
+
+    Raises NcclTimeoutError when a peer failed (after aborting the communicators here, so
+    none is finalized against a peer that will never come), when the ranks of a communicator
+    issued different numbers of ops, or when a process never reached the end. Does nothing
+    without jax.distributed, or once this process has failed (its error is already raised).
+    """
+    import jax
+
+    client = _kv_client()
+    if _monitor is None or client is None or _monitor.message:
+        return
+    _monitor.halt()
+    _monitor.join()  # from here on this thread alone speaks for the process
+    if failure():
+        _monitor.deliver_here()
+    me, n = _process_index(), jax.process_count()
+    client.key_value_set(
+        f"{_KV_PREFIX}/final/{me}", json.dumps(flight_record(ops=False)["communicators"]), allow_overwrite=True
+    )
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _monitor.check_peers(client)
+        if failure():
+            _monitor.deliver_here()
+        finals = {int(k.rsplit("/", 1)[-1]): json.loads(v) for k, v in client.key_value_dir_get(f"{_KV_PREFIX}/final/")}
+        if len(finals) == n:
+            break
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(n)) - set(finals))
+            why = f"jaxdist nccl watchdog: processes {missing} did not reach the end of the run in {timeout_s:.0f} s"
+            _native.ffi_library().jaxdist_watchdog_trip(why.encode())
+            _monitor.deliver_here()
+        time.sleep(_monitor.period_s)
+    counts: dict[int, dict[int, tuple[str, int]]] = {}
+    for p, comms in finals.items():
+        for c in comms:
+            counts.setdefault(c["key"], {})[p] = (c["axis"], c["last_enqueued"])
+    for per_process in counts.values():
+        if len({last for _, last in per_process.values()}) > 1:
+            axis = next(iter(per_process.values()))[0]
+            issued = ", ".join(f"process {p}: {last}" for p, (_, last) in sorted(per_process.items()))
+            why = f"jaxdist nccl: the ranks of axis '{axis}' issued different numbers of ops ({issued})"
+            _native.ffi_library().jaxdist_watchdog_trip(why.encode())
+            _monitor.deliver_here()
 
 
 def _period_s(timeout_s: float) -> float:
@@ -196,19 +246,34 @@ class _Monitor(threading.Thread):
             if progress != self._published:
                 client.key_value_set(f"{_KV_PREFIX}/progress/{self._process}", progress, allow_overwrite=True)
                 self._published = progress
-            for key, value in client.key_value_dir_get(f"{_KV_PREFIX}/failure/"):
-                if int(key.rsplit("/", 1)[-1]) != self._process:
-                    why = f"jaxdist nccl watchdog: another process failed: {value}"
-                    _native.ffi_library().jaxdist_watchdog_trip(why.encode())
-                    self._fail(failure(), None)
-                    return
+            if self.check_peers(client):
+                self._fail(failure(), None)
+
+    def check_peers(self, client) -> bool:
+        """Trip the watchdog here if another process reported a failure."""
+        for key, value in client.key_value_dir_get(f"{_KV_PREFIX}/failure/"):
+            if int(key.rsplit("/", 1)[-1]) != self._process:
+                why = f"jaxdist nccl watchdog: process {key.rsplit('/', 1)[-1]} failed: {value}"
+                _native.ffi_library().jaxdist_watchdog_trip(why.encode())
+                return True
+        return False
+
+    def _compose(self, msg: str, client) -> None:
+        """The message with the missing ranks, published for the other processes."""
+        self.message = msg + _describe_missing(flight_record(ops=False).get("stuck"), client)
+        if client is not None and "failed: " not in msg:
+            client.key_value_set(f"{_KV_PREFIX}/failure/{self._process}", self.message, allow_overwrite=True)
 
     def _fail(self, msg: str, client) -> None:
-        record = flight_record(ops=False)
-        self.message = msg + _describe_missing(record.get("stuck"), client)
-        if client is not None and "another process failed" not in msg:
-            client.key_value_set(f"{_KV_PREFIX}/failure/{self._process}", self.message, allow_overwrite=True)
+        self._compose(msg, client)
         _raise_in_thread(self.main_thread_id, self.message, self.delivered)
+
+    def deliver_here(self) -> None:
+        """Raise the failure in the calling thread (the monitor thread is stopped)."""
+        if not self.message:
+            self._compose(failure(), _kv_client())
+        self.delivered.set()
+        raise NcclTimeoutError(self.message)
 
 
 def _exit_grace_s() -> float:
