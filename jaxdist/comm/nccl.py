@@ -34,7 +34,7 @@ from jaxdist import _native
 from jaxdist.comm import watchdog
 from jaxdist.comm._backend import Backend, current_site, floating_and_int_dtypes
 from jaxdist.comm._sequence import sequence
-from jaxdist.comm.watchdog import NcclTimeoutError, check, flight_record  # noqa: F401  (the public API)
+from jaxdist.comm.watchdog import NcclTimeoutError, check, flight_record, set_recorder  # noqa: F401  (public API)
 
 NCCL_LIBRARY_ENV = "JAXDIST_NCCL_LIBRARY"
 TIMEOUT_ENV = "JAXDIST_NCCL_TIMEOUT_S"

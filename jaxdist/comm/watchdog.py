@@ -126,6 +126,11 @@ def _period_s(timeout_s: float) -> float:
     return min(1.0, max(0.05, timeout_s / 10))
 
 
+def set_recorder(on: bool) -> None:
+    """Turn the flight recorder on or off at run time (the benchmark measures its cost so)."""
+    _native.ffi_library().jaxdist_flight_set_enabled(int(on))
+
+
 def set_step(step: int) -> None:
     """The step the host is running: recorded with every op from now on (no-op before the backend loads)."""
     if _monitor is not None or _native.ffi_library.cache_info().currsize:
