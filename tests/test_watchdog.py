@@ -38,7 +38,7 @@ def _run_stuck_op(tmp_path, timeout_s, **env):
     out = subprocess.run(
         [sys.executable, str(DRIVER)], capture_output=True, text=True, timeout=timeout_s, env=env, cwd=tmp_path
     )
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 1, out.stderr  # a process whose watchdog tripped ends with status 1
     return json.loads(out.stdout)
 
 
@@ -103,10 +103,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """Two processes joined by jax.distributed: process 0 issues op #2, process 1 never does."""
-    tmp = tmp_path_factory.mktemp("pair")
+def _run_pair(tmp, mode: str, status: int) -> list[dict]:
+    """Two processes joined by jax.distributed, ranks 0 and 1 of one communicator (see the driver)."""
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -119,7 +117,10 @@ def pair(tmp_path_factory):
     address = f"127.0.0.1:{_free_port()}"
     procs = [
         subprocess.Popen(
-            [sys.executable, str(DRIVER), str(i), address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+            [sys.executable, str(DRIVER), str(i), address, mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
         )
         for i in range(2)
     ]
@@ -127,12 +128,18 @@ def pair(tmp_path_factory):
     try:
         for p in procs:
             stdout, stderr = p.communicate(timeout=120)
-            assert p.returncode == 0, stderr.decode()
+            assert p.returncode == status, stderr.decode()
             outs.append(json.loads(stdout.decode().strip().splitlines()[-1]))
     finally:
         for p in procs:
             p.kill()
     return outs
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Process 0 issues op #2, which never completes; process 1 never issues it and ends its run."""
+    return _run_pair(tmp_path_factory.mktemp("pair"), "stuck", status=1)
 
 
 def test_the_stuck_rank_names_the_rank_that_never_issued_the_op(pair):
@@ -147,3 +154,16 @@ def test_the_rank_that_never_came_fails_too_with_the_same_story(pair):
     assert "process 0 failed" in err and "all_gather #2" in err and "never issued by: rank 1" in err
     assert pair[1]["seconds"] < DEADLINE_S + 5
     assert pair[1]["aborts"] == 1  # its communicator is aborted rather than finalized against a stuck peer
+
+
+def test_a_run_whose_ranks_issue_the_same_ops_ends_cleanly_with_no_record(tmp_path):
+    outs = _run_pair(tmp_path, "healthy", status=0)
+    assert [o["error"] for o in outs] == [None, None]
+    assert [o["log_tail"] for o in outs] == ["CommDestroy", "CommDestroy"]  # finalized, not aborted
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_ranks_that_completed_different_numbers_of_ops_fail_at_the_end_of_the_run(tmp_path):
+    outs = _run_pair(tmp_path, "mismatch", status=1)
+    for o in outs:
+        assert "the ranks of axis 'dp' issued different numbers of ops (process 0: 2, process 1: 1)" in o["error"]

@@ -11,7 +11,9 @@ watchdog it waits forever: the test's subprocess timeout bounds it.
 `watchdog_driver.py PROCESS COORDINATOR` is one of two processes joined by
 jax.distributed, ranks 0 and 1 of one communicator: both issue op #1, process 0
 alone issues op #2 (which never completes: process 1 is the rank that never
-came), and process 1 ends its run with nccl.shutdown().
+came), and process 1 ends its run with nccl.shutdown(). A third argument
+changes the story: `healthy` (both issue both ops, nothing stalls) or
+`mismatch` (only process 0 issues op #2, and it completes).
 """
 
 import ctypes
@@ -26,7 +28,7 @@ from jaxdist.comm import nccl
 ALL_REDUCE, ALL_GATHER = 0, 1
 
 
-def main(process: int, coordinator: str | None) -> None:
+def main(process: int, coordinator: str | None, mode: str) -> None:
     if coordinator:
         import jax
 
@@ -40,33 +42,37 @@ def main(process: int, coordinator: str | None) -> None:
     _native.call("jaxdist_comm_init", 1, 1, b"\x07" * n_id, ints(2), ints(process), ints(-1), 1, b"dp")
     nccl._registry[("test double",)] = 1  # so that nccl.shutdown() ends it like one of its own
     # op #1 completes; op #2's "started" event completes, its "finished" event never does
-    fake.fake_cuda_stall_after(3)
+    fake.fake_cuda_stall_after(3 if mode == "stuck" else -1)
     _native.call("jaxdist_test_issue", 1, -1, ALL_REDUCE, 16, -1, -1)
     nccl.watchdog.set_step(7)
-    out = {}
+    out = {"error": None}
     t0 = time.monotonic()
     try:
-        if process == 0:
+        if process == 0 and mode == "stuck":
             _native.call("jaxdist_test_issue", 1, -1, ALL_GATHER, 16, -1, -1)
             t0 = time.monotonic()
             while True:
                 time.sleep(0.01)
         else:
+            if process == 0 or mode == "healthy":
+                _native.call("jaxdist_test_issue", 1, -1, ALL_GATHER, 16, -1, -1)
             time.sleep(0.5)  # let process 0 publish its progress first
-            nccl.shutdown()  # the end of this rank's run: it never issues op #2
+            nccl.shutdown()  # the end of this rank's run
     except nccl.NcclTimeoutError as e:
         out["error"] = str(e)
         out["seconds"] = time.monotonic() - t0
     out["aborts"] = fake.fake_nccl_aborts()
     out["log_tail"] = fake.fake_nccl_log().decode().splitlines()[-1]
-    try:
-        _native.call("jaxdist_test_issue", 1, -1, ALL_REDUCE, 16, -1, -1)
-        out["next_op_error"] = None
-    except RuntimeError as e:
-        out["next_op_error"] = str(e)
+    if out["error"]:
+        try:
+            _native.call("jaxdist_test_issue", 1, -1, ALL_REDUCE, 16, -1, -1)
+            out["next_op_error"] = None
+        except RuntimeError as e:
+            out["next_op_error"] = str(e)
     print(json.dumps(out), flush=True)
     nccl.shutdown()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 0, sys.argv[2] if len(sys.argv) > 2 else None)
+    args = sys.argv[1:] + [None] * 3
+    main(int(args[0] or 0), args[1], args[2] or "stuck")

@@ -229,9 +229,11 @@ def _shutdown_at_exit() -> None:
     try:
         shutdown()
     except NcclTimeoutError as e:
-        # An exception in an exit handler leaves the exit status alone; a failed run must not end with 0.
         print(f"jaxdist: {e}", file=sys.stderr, flush=True)
-        os._exit(1)
+    if watchdog.failure():
+        # A failed run must not end with status 0 (an exception in an exit handler leaves it
+        # alone), nor wait in jax.distributed's shutdown barrier for a peer that may never come.
+        watchdog.exit_after_failure()
 
 
 atexit.register(_shutdown_at_exit)

@@ -121,6 +121,16 @@ def agree_before_shutdown(timeout_s: float) -> None:
             _monitor.deliver_here()
 
 
+def exit_after_failure() -> None:
+    """End a process whose watchdog tripped: status 1, after lingering two polling periods so the
+    other processes can read its failure from the key-value store it may be hosting."""
+    if _monitor is not None and _kv_client() is not None:
+        time.sleep(2 * _monitor.period_s + 0.5)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def _period_s(timeout_s: float) -> float:
     """How often to look: often enough to fire within a small part of the deadline, at most once a second."""
     return min(1.0, max(0.05, timeout_s / 10))
@@ -176,9 +186,11 @@ def _kv_client():
 
 
 def _progress_of_all(client) -> dict[int, list[dict]]:
+    """Every process's last published progress; a process that ended its run published its final one."""
     out = {}
-    for key, value in client.key_value_dir_get(f"{_KV_PREFIX}/progress/"):
-        out[int(key.rsplit("/", 1)[-1])] = json.loads(value)
+    for kind in ("progress", "final"):
+        for key, value in client.key_value_dir_get(f"{_KV_PREFIX}/{kind}/"):
+            out[int(key.rsplit("/", 1)[-1])] = json.loads(value)
     return out
 
 
