@@ -45,7 +45,7 @@ def _run_stuck_op(tmp_path, timeout_s, **env):
 @pytest.fixture(scope="module")
 def stuck(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("flight")
-    return _run_stuck_op(tmp, timeout_s=120), tmp
+    return _run_stuck_op(tmp, timeout_s=60), tmp
 
 
 def test_a_stuck_op_becomes_an_error_naming_op_axis_sequence_rank_and_step(stuck):
@@ -84,7 +84,7 @@ def test_without_the_watchdog_the_same_op_hangs(tmp_path):
     # The switch the watchdog tests rely on: with it off nothing notices, and the
     # driver would wait forever (here: until the bounded subprocess timeout).
     with pytest.raises(subprocess.TimeoutExpired):
-        _run_stuck_op(tmp_path, timeout_s=DEADLINE_S + 14, JAXDIST_NCCL_WATCHDOG="0")
+        _run_stuck_op(tmp_path, timeout_s=DEADLINE_S + 9, JAXDIST_NCCL_WATCHDOG="0")
     assert not list(tmp_path.glob("*.json"))
 
 
