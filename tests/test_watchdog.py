@@ -166,4 +166,7 @@ def test_a_run_whose_ranks_issue_the_same_ops_ends_cleanly_with_no_record(tmp_pa
 def test_ranks_that_completed_different_numbers_of_ops_fail_at_the_end_of_the_run(tmp_path):
     outs = _run_pair(tmp_path, "mismatch", status=1)
     for o in outs:
-        assert "the ranks of axis 'dp' issued different numbers of ops (process 0: 2, process 1: 1)" in o["error"]
+        assert (
+            "the ranks of axis 'dp' issued different numbers of ops (rank 0 (process 0): 2, rank 1 (process 1): 1)"
+            in o["error"]
+        )

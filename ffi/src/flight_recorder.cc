@@ -50,7 +50,15 @@ uint64_t FlightRecorder::Begin(OpKind kind, ncclDataType_t dtype, size_t count, 
                                cudaStream_t stream) {
   const CudaApi* cuda = Cuda(nullptr);
   std::lock_guard<std::mutex> lock(mu_);
-  if (slots_.empty()) slots_.resize(Capacity());
+  if (slots_.empty()) {
+    // All events at the first op (a few ms once), so no later op pays for a cuEventCreate.
+    slots_.resize(Capacity());
+    for (OpRecord& r : slots_) {
+      if (cuda == nullptr || cuda->EventCreate(&r.started, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS ||
+          cuda->EventCreate(&r.finished, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS)
+        break;  // no driver or no context: created lazily below, or never
+    }
+  }
   const uint64_t seq = next_seq_++;
   OpRecord& r = Slot(seq);
   r.seq = seq;

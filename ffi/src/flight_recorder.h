@@ -5,8 +5,8 @@
 // it. The watchdog (watchdog.h) reads the oldest unfinished record; the
 // records are dumped as JSON on demand and on a failure.
 //
-// Cost per op: a mutex, two clock reads and two cuEventRecord calls (the
-// events of a slot are created once and reused when the ring wraps).
+// Cost per op: a mutex, two clock reads and two cuEventRecord calls (every
+// slot's events are created at the first op and reused when the ring wraps).
 #pragma once
 
 #include <cstdint>

@@ -108,14 +108,14 @@ def agree_before_shutdown(timeout_s: float) -> None:
             _native.ffi_library().jaxdist_watchdog_trip(why.encode())
             _monitor.deliver_here()
         time.sleep(_monitor.period_s)
-    counts: dict[int, dict[int, tuple[str, int]]] = {}
+    issued_by: dict[int, dict[int, tuple[int, str, int]]] = {}  # communicator -> rank -> (process, axis, count)
     for p, comms in finals.items():
         for c in comms:
-            counts.setdefault(c["key"], {})[p] = (c["axis"], c["last_enqueued"])
-    for per_process in counts.values():
-        if len({last for _, last in per_process.values()}) > 1:
-            axis = next(iter(per_process.values()))[0]
-            issued = ", ".join(f"process {p}: {last}" for p, (_, last) in sorted(per_process.items()))
+            issued_by.setdefault(c["key"], {})[c["rank"]] = (p, c["axis"], c["last_enqueued"])
+    for ranks in issued_by.values():
+        if len({last for _, _, last in ranks.values()}) > 1:
+            axis = next(iter(ranks.values()))[1]
+            issued = ", ".join(f"rank {r} (process {p}): {last}" for r, (p, _, last) in sorted(ranks.items()))
             why = f"jaxdist nccl: the ranks of axis '{axis}' issued different numbers of ops ({issued})"
             _native.ffi_library().jaxdist_watchdog_trip(why.encode())
             _monitor.deliver_here()
