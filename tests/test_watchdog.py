@@ -58,7 +58,7 @@ def test_a_stuck_op_becomes_an_error_naming_op_axis_sequence_rank_and_step(stuck
 
 def test_the_watchdog_fires_within_the_deadline_plus_two_seconds(stuck):
     r, _ = stuck
-    assert DEADLINE_S <= r["seconds"] < DEADLINE_S + 2
+    assert DEADLINE_S - 0.05 <= r["seconds"] < DEADLINE_S + 2  # t0 is taken just after the enqueue
 
 
 def test_the_watchdog_aborts_the_communicator_and_fails_the_next_op(stuck):
