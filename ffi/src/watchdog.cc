@@ -19,8 +19,8 @@ std::mutex mu;  // guards everything below
 std::condition_variable wake;
 std::thread thread;
 bool stopping = false;
-std::string failure;
-std::string record_path;
+std::string reason;   // why it tripped: set first, for the record file
+std::string failure;  // the full message (with the file's path): set last, for everyone else
 std::atomic<int> process_index{-1};
 int64_t stuck_key = -1;  // the communicator and op that tripped the watchdog
 uint64_t stuck_seq = 0;
@@ -77,11 +77,6 @@ std::string WatchdogFailure() {
   return failure;
 }
 
-std::string FlightRecordPath() {
-  std::lock_guard<std::mutex> lock(mu);
-  return record_path;
-}
-
 std::string FlightRecordJson(bool with_ops) {
   std::string comms;
   ForEachCommOfAllKeys([&](int64_t key, Comm& c) {
@@ -93,31 +88,33 @@ std::string FlightRecordJson(bool with_ops) {
              ", \"last_completed\": " + std::to_string(c.recorder.LastCompleted()) +
              (with_ops ? ", \"ops\": " + c.recorder.OpsJson() : std::string()) + "}";
   });
-  std::string why = WatchdogFailure();
+  std::string why;
   std::string stuck = "null";
   {
     std::lock_guard<std::mutex> lock(mu);
+    why = reason;
     if (stuck_key >= 0)
       stuck = "{\"key\": " + std::to_string(stuck_key) + ", \"seq\": " + std::to_string(stuck_seq) + "}";
   }
   return "{\"pid\": " + std::to_string(getpid()) + ", \"process\": " + std::to_string(process_index.load()) +
          ", \"step\": " + std::to_string(CurrentStep()) + ", \"timeout_s\": " + std::to_string(TimeoutMs() / 1000.0) +
-         ", \"failure\": " + (why.empty() ? "null" : JsonString(why)) + ", \"stuck\": " + stuck + ", \"communicators\": [" + comms + "]}";
+         ", \"failure\": " + (why.empty() ? "null" : JsonString(why)) + ", \"stuck\": " + stuck +
+         ", \"communicators\": [" + comms + "]}";
 }
 
 void TripWatchdog(const std::string& why) {
   {
     std::lock_guard<std::mutex> lock(mu);
-    if (!failure.empty()) return;
-    failure = why;
+    if (!reason.empty()) return;
+    reason = why;
   }
   // The record first: it shows the states before the abort changes them.
   std::string path = WriteRecord(FlightRecordJson(true));
-  std::string msg = why + (path.empty() ? "" : "; flight record: " + path);
+  std::string msg = why + (path.empty() ? "; the flight record could not be written (JAXDIST_FLIGHT_RECORD_DIR)"
+                                        : "; flight record: " + path);
   {
     std::lock_guard<std::mutex> lock(mu);
     failure = msg;
-    record_path = path;
   }
   const NcclApi* nccl = Nccl();
   if (nccl == nullptr) return;
@@ -125,7 +122,10 @@ void TripWatchdog(const std::string& why) {
 }
 
 void WatchdogCheck() {
-  if (!WatchdogFailure().empty()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!reason.empty()) return;
+  }
   const int64_t now = SteadyNs();
   const int64_t deadline_ns = TimeoutMs() * 1000000;
   std::string why;
@@ -143,7 +143,7 @@ void WatchdogCheck() {
   if (why.empty()) return;
   {
     std::lock_guard<std::mutex> lock(mu);
-    if (failure.empty()) {
+    if (reason.empty()) {
       stuck_key = key;
       stuck_seq = seq;
     }

@@ -23,8 +23,6 @@ void WatchdogCheck();
 void TripWatchdog(const std::string& why);
 // The failure message, or "" while nothing tripped.
 std::string WatchdogFailure();
-// Where the flight record was written on the failure ("" if nowhere).
-std::string FlightRecordPath();
 // Every communicator's records as one JSON object; without the ops, just
 // each communicator's last enqueued and completed sequence numbers.
 std::string FlightRecordJson(bool with_ops);
