@@ -29,6 +29,7 @@ def _run_stuck_op(tmp_path, timeout_s, **env):
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
+        "JAX_PLATFORMS": "cpu",  # also on a GPU runner: the test double stands in for the GPU
         "JAXDIST_NCCL_LIBRARY": str(FAKE),
         "JAXDIST_CUDA_DRIVER_LIBRARY": str(FAKE),
         "JAXDIST_NCCL_TIMEOUT_S": str(DEADLINE_S),
