@@ -80,9 +80,14 @@ std::string Poll(const NcclApi& nccl, Comm& comm, const char* op, ncclResult_t i
   // sleep with back-off so a slow peer burns no CPU.
   auto nap = std::chrono::microseconds(20);
   for (;;) {
-    if (comm.aborted) return comm.failure;  // the watchdog aborted it meanwhile
     ncclResult_t state = ncclInProgress;
-    ncclResult_t r = nccl.CommGetAsyncError(comm.comm, &state);
+    ncclResult_t r;
+    {
+      // The watchdog thread may abort (and NCCL free) the communicator at any time.
+      std::lock_guard<std::mutex> lock(abort_mutex);
+      if (comm.aborted) return comm.failure;
+      r = nccl.CommGetAsyncError(comm.comm, &state);
+    }
     if (r != ncclSuccess) return AbortWith(nccl, comm, Describe(nccl, comm, op, r));
     if (state == ncclSuccess) return "";
     if (state != ncclInProgress) return AbortWith(nccl, comm, Describe(nccl, comm, op, state));
