@@ -222,7 +222,7 @@ class ParallelRun:
             batch, n_data, "Parallel", f"the {n_data} devices of the data axes {cfg.data_axes}; change the batch size"
         )
         embed = lambda ws, b: self._embed_raw(ws, b, bound=False)
-        x_aval = jax.eval_shape(embed, self._avals(outer), self.local_batch)
+        x_aval = jax.eval_shape(embed, self._avals(outer, whole=True), self.local_batch)
         head = lambda ws, b: units.head_loss(self._outer_model(ws, False), jnp.zeros(x_aval.shape, x_aval.dtype), b)
         self.aux_specs = self._aux_specs(jax.eval_shape(head, self._avals(outer), self.local_batch))
         read_by_embed = self._reads(embed, outer)
@@ -343,8 +343,9 @@ class ParallelRun:
     def _sharding(self, spec):
         return NamedSharding(self.mesh, spec)
 
-    def _avals(self, indices):
-        return {k: jax.ShapeDtypeStruct(self.leaves[k].local, self.leaves[k].dtype) for k in indices}
+    def _avals(self, indices, whole: bool = False):
+        shape = (lambda leaf: leaf.shape) if whole else (lambda leaf: leaf.local)
+        return {k: jax.ShapeDtypeStruct(shape(self.leaves[k]), self.leaves[k].dtype) for k in indices}
 
     # -- state -------------------------------------------------------------------
 
@@ -403,8 +404,10 @@ class ParallelRun:
 
     def _outer_model(self, ws: dict, bound: bool = True):
         """The model holding the given outer pieces and zeros elsewhere (never read; XLA drops them).
-        `bound=False` (tracing outside the mesh, for shapes and reads) leaves the layers unbound."""
-        xs = [ws[k] if k in ws else jnp.zeros(leaf.local, leaf.dtype) for k, leaf in enumerate(self.leaves)]
+        `bound=False` (tracing outside the mesh, for shapes and reads) takes whole parameters and
+        leaves the layers unbound: the model as on one device."""
+        shape = (lambda leaf: leaf.local) if bound else (lambda leaf: leaf.shape)
+        xs = [ws[k] if k in ws else jnp.zeros(shape(leaf), leaf.dtype) for k, leaf in enumerate(self.leaves)]
         model = nnx.merge(self.graphdef, self.treedef.unflatten(xs), self.rest)
         return self._bound(model) if bound else model
 
@@ -441,7 +444,7 @@ class ParallelRun:
 
     def _reads(self, fn, indices) -> set[int]:
         """The leaves among `indices` that `fn(pieces, batch)` reads."""
-        jaxpr = jax.make_jaxpr(fn)(self._avals(indices), self.local_batch).jaxpr
+        jaxpr = jax.make_jaxpr(fn)(self._avals(indices, whole=True), self.local_batch).jaxpr
         used = {v for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, jax.extend.core.Var)}
         used |= {v for v in jaxpr.outvars if isinstance(v, jax.extend.core.Var)}
         order = sorted(indices)  # dict pytrees flatten in key order

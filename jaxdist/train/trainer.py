@@ -26,6 +26,7 @@ from jaxdist.train import data as data_lib
 from jaxdist.train.checkpoint import Checkpoints, check_same_model
 from jaxdist.train.config import ConfigError, TrainConfig
 from jaxdist.train.gpt import FLAVORS, GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for
+from jaxdist.train.step_watchdog import StepWatchdog, timeout_from
 
 # bf16 dense matrix peak, FLOP/s, by device kind (H200: the rate measured on the lent machine)
 PEAK_FLOPS = {"NVIDIA H200": 790e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA A100-SXM4-80GB": 312e12}
@@ -277,8 +278,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
 
     step = start
     window_start, window_tokens = time.perf_counter(), 0
+    guard = StepWatchdog(timeout_from(cfg.run.step_timeout_s), out_dir, process_index=jax.process_index())
     try:
         for step in range(start, end):
+            guard.beat(step)  # a step (or the log/checkpoint work after it) past the deadline ends the run
             batch = _global_batch(source.batch(step, cfg.data.batch_size), batch_sharding)
             state, metrics = run.step(state, batch)
             pending.append(metrics["loss"])  # read back only when logging: no host sync per step
@@ -304,6 +307,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
                     "skipped": bool(_host(metrics["skipped"])) if "skipped" in metrics else False,
                 }
                 log.write(row)
+                guard.record(row)
                 bar.update(step + 1, row)
                 window_start, window_tokens = time.perf_counter(), 0
             if ckpt and cfg.run.checkpoint_every > 0 and (step + 1) % cfg.run.checkpoint_every == 0 and not last:
@@ -316,6 +320,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
         save(done)
         raise
     finally:
+        guard.close()
         bar.close()
         log.close()
         if ckpt:
