@@ -36,9 +36,8 @@ def _prepare(kind: str, x, axis_name, tok, backend: str | None, **params) -> tup
     x = checks.check_array(x, kind)
     be = get_backend(backend)
     size = checks.axis_size(axis_name)
-    reduce_op = params.get("op")
-    if reduce_op is not None:
-        checks.check_reduce_op(reduce_op, _REDUCE_OPS[kind], kind)
+    # `op` is checked whenever the kind takes one: op=None must not fall through to a sum
+    reduce_op = checks.check_reduce_op(params["op"], _REDUCE_OPS[kind], kind) if kind in _REDUCE_OPS else None
     checks.check_dtype(x.dtype, reduce_op, be.dtypes, be.name, kind)
     if kind == "all_gather":
         if not isinstance(params["tiled"], bool):
