@@ -112,7 +112,11 @@ def _mesh_key(axis_names, axis_sizes, group: tuple[str, ...]) -> tuple:
 
 
 def _groups(mesh: Mesh, group: tuple[str, ...]) -> np.ndarray:
-    """Devices as rows of one communicator each; a device's column is its rank."""
+    """Devices as rows of one communicator each; a device's column is its rank.
+
+    Ranks follow jaxdist's rule (see `_ranks`): the group's axes in tuple
+    order, the first most significant, whatever the mesh's axis order.
+    """
     names = list(mesh.axis_names)
     order = [names.index(a) for a in names if a not in group] + [names.index(a) for a in group]
     size = int(np.prod([mesh.shape[a] for a in group]))
