@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
@@ -24,9 +24,15 @@ NAMES = ("a", "b")
 CASES = [(shape, order) for shape in [(2, 4), (4, 2)] for order in [("a", "b"), ("b", "a")]]
 CASE_IDS = [f"{'x'.join(map(str, s))}-{'+'.join(o)}" for s, o in CASES]
 LOCAL = (8, 2)  # the scatter dimension divides over all 8 ranks
-# not symmetric under any reordering of the axes: rank 7 only sends, rank 2 only receives
-PERM = [(r, (r + 3) % 8) for r in range(7)]
+
+
+def _perm(n: int) -> list[tuple[int, int]]:
+    # not symmetric under a reordering of the axes: rank n-1 only sends, rank 2 only receives
+    return [(r, (r + 3) % n) for r in range(n - 1)]
+
+
 OPS = ("rank", "all_gather", "reduce_scatter", "all_reduce", "sendrecv")
+ALL_OPS = [*OPS, *(f"async_{op}" for op in OPS[1:])]  # every op, and every async pair
 
 
 def tuple_order_rank(coords: dict[str, int], sizes: dict[str, int], order: tuple[str, ...]) -> int:
@@ -37,32 +43,37 @@ def tuple_order_rank(coords: dict[str, int], sizes: dict[str, int], order: tuple
     return rank
 
 
-def _body(order, x):
+def _body(order, n, backend, x):
     x = x.reshape(LOCAL)
     tok = comm.token()
     out = {"rank": lax.axis_index(order) + jnp.zeros(LOCAL, jnp.int32)}
-    out["all_gather"], tok = comm.all_gather(x, order, tok)
-    out["reduce_scatter"], tok = comm.reduce_scatter(x, order, tok)
-    out["all_reduce"], tok = comm.all_reduce(x, order, tok)
-    out["sendrecv"], tok = comm.sendrecv(x, order, tok, perm=PERM)
+    out["all_gather"], tok = comm.all_gather(x, order, tok, backend=backend)
+    out["reduce_scatter"], tok = comm.reduce_scatter(x, order, tok, backend=backend)
+    out["all_reduce"], tok = comm.all_reduce(x, order, tok, backend=backend)
+    out["sendrecv"], tok = comm.sendrecv(x, order, tok, perm=_perm(n), backend=backend)
     handles = {}
-    handles["all_gather"], tok = comm.all_gather_start(x, order, tok)
-    handles["reduce_scatter"], tok = comm.reduce_scatter_start(x, order, tok)
-    handles["all_reduce"], tok = comm.all_reduce_start(x, order, tok)
-    handles["sendrecv"], tok = comm.sendrecv_start(x, order, tok, perm=PERM)
+    handles["all_gather"], tok = comm.all_gather_start(x, order, tok, backend=backend)
+    handles["reduce_scatter"], tok = comm.reduce_scatter_start(x, order, tok, backend=backend)
+    handles["all_reduce"], tok = comm.all_reduce_start(x, order, tok, backend=backend)
+    handles["sendrecv"], tok = comm.sendrecv_start(x, order, tok, perm=_perm(n), backend=backend)
     for name, h in handles.items():
         out[f"async_{name}"], tok = comm.wait(h, tok)
     return {k: v.reshape((1, 1, *v.shape)) for k, v in out.items()}
 
 
-@functools.cache
-def _run(shape, order):
-    mesh = cpu_mesh(shape, NAMES)
+def _run(mesh, order, backend="xla"):
+    shape = mesh.devices.shape
     g = np.arange(np.prod(shape) * np.prod(LOCAL), dtype=np.float32).reshape(shape[0] * LOCAL[0], shape[1] * LOCAL[1])
     spec = P(*NAMES)
-    f = jax.jit(jax.shard_map(functools.partial(_body, order), mesh=mesh, in_specs=spec, out_specs=spec))
+    body = functools.partial(_body, order, mesh.devices.size, backend)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
     out = f(jax.device_put(g, NamedSharding(mesh, spec)))
     return {k: np.asarray(v) for k, v in out.items()}, g
+
+
+@functools.cache
+def _run_on_cpu(shape, order):
+    return _run(cpu_mesh(shape, NAMES), order)
 
 
 def _reference(shape, order, g):
@@ -73,14 +84,14 @@ def _reference(shape, order, g):
     rank = {d: tuple_order_rank(dict(zip(NAMES, d, strict=True)), sizes, order) for d in devices}
     by_rank = [block[d] for d in sorted(devices, key=rank.get)]
     total = np.sum(by_rank, axis=0)
-    source = {dst: src for src, dst in PERM}
+    source = {dst: src for src, dst in _perm(len(devices))}
     want = {}
     for d in devices:
         r = rank[d]
         want[d] = {
             "rank": np.full(LOCAL, r),
             "all_gather": np.concatenate(by_rank),
-            "reduce_scatter": total[r : r + 1],
+            "reduce_scatter": np.split(total, len(devices))[r],
             "all_reduce": total,
             "sendrecv": by_rank[source[r]] if r in source else np.zeros(LOCAL),
         }
@@ -88,12 +99,29 @@ def _reference(shape, order, g):
 
 
 @pytest.mark.parametrize(("shape", "order"), CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("op", [*OPS, *(f"async_{op}" for op in OPS[1:])])
+@pytest.mark.parametrize("op", ALL_OPS)
 def test_xla_backend_numbers_tuple_axes_in_tuple_order(shape, order, op):
-    got, g = _run(shape, order)
-    want = _reference(shape, order, g)
+    got, g = _run_on_cpu(shape, order)
+    _assert_matches(got, _reference(shape, order, g), op)
+
+
+def _assert_matches(got, want, op):
     for (i, j), expected in want.items():
         np.testing.assert_array_equal(got[op][i, j], expected[op.removeprefix("async_")], err_msg=f"device {(i, j)}")
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("order", [("a", "b"), ("b", "a")], ids="+".join)
+def test_nccl_backend_numbers_tuple_axes_in_tuple_order_on_four_gpus(order):
+    gpus = jax.devices("gpu")
+    if len(gpus) < 4:
+        pytest.skip(f"needs 4 GPUs for a 2x2 mesh, found {len(gpus)}")
+    mesh = Mesh(np.asarray(gpus[:4]).reshape(2, 2), NAMES, axis_types=(AxisType.Explicit,) * 2)
+    nccl.init(mesh, axes=[order])
+    got, g = _run(mesh, order, backend="nccl")
+    want = _reference((2, 2), order, g)
+    for op in ALL_OPS:
+        _assert_matches(got, want, op)
 
 
 @pytest.mark.parametrize(("shape", "order"), CASES, ids=CASE_IDS)

@@ -121,6 +121,12 @@ def check_perm(perm: Sequence[tuple[int, int]], size: int, axis_name: AxisName) 
 def check_handle(handle: object, tok: Token) -> Handle:
     if not isinstance(handle, Handle):
         raise TypeError(f"wait: expected a Handle from a *_start op, got {type(handle).__name__}")
+    if handle.left_its_shard_map():
+        raise ValueError(
+            f"wait: this {handle.op} handle is waited outside the shard_map it was started in (it was returned "
+            "from that shard_map, perhaps into another one). A handle may only be waited inside the shard_map "
+            "that started it: call wait there and return the result instead"
+        )
     if handle._waited:
         raise ValueError(f"wait: this {handle.op} handle was already waited; each handle is waited exactly once")
     if handle.chain != tok.chain:
