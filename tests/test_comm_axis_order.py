@@ -144,3 +144,18 @@ def test_nccl_communicator_of_one_axis_in_a_2d_mesh():
     mesh = cpu_mesh((2, 4), NAMES)
     ids = np.vectorize(lambda d: d.id)(nccl._groups(mesh, ("a",)))
     np.testing.assert_array_equal(ids, np.vectorize(lambda d: d.id)(mesh.devices).T)
+
+
+def test_nccl_communicators_of_one_tuple_in_two_orders_are_distinct(monkeypatch):
+    # ("b", "a") numbers ranks differently from ("a", "b"), so one cannot stand in for the other
+    mesh = cpu_mesh((2, 4), NAMES)
+    monkeypatch.setattr(nccl, "_registry", {nccl._mesh_key(NAMES, (2, 4), ("a", "b")): 1})
+
+    def body(x):
+        assert nccl._comm_key(("a", "b")) == 1
+        nccl._comm_key(("b", "a"))
+        return x
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P(*NAMES), out_specs=P(*NAMES))
+    with pytest.raises(RuntimeError, match=r"call jaxdist.comm.nccl.init\(mesh, axes=\[\('b', 'a'\)\]\)"):
+        jax.jit(f).lower(jax.ShapeDtypeStruct((2, 4), jnp.float32, sharding=NamedSharding(mesh, P(*NAMES))))

@@ -149,8 +149,9 @@ def tie(values, token: Token):
 def wait(handle: Handle, token: Token):
     """Finish the async op behind `handle`; returns `(result, token)`.
 
-    The token must be of the chain the op was started on, and each handle is
-    waited once.
+    The token must be of the chain the op was started on, each handle is
+    waited once, and only inside the `shard_map` that started it: a handle
+    returned from `shard_map` is refused here, outside it or in another one.
     """
     checks.check_token(token, "wait")
     checks.check_handle(handle, token)

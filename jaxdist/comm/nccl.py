@@ -220,9 +220,11 @@ def _comm_key(axis_name) -> int:
     group = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     k = _mesh_key(mesh.axis_names, mesh.axis_sizes, group)
     if k not in _registry:
+        # a tuple of axes needs its own communicator, in its own order (ranks follow the tuple order)
+        call = "init(mesh)" if len(group) == 1 else f"init(mesh, axes=[{group!r}])"
         raise RuntimeError(
             f"no NCCL communicator for axis {axis_name!r} of a mesh {dict(zip(k[0], k[1], strict=True))}; "
-            "call jaxdist.comm.nccl.init(mesh) before tracing code that uses backend='nccl'"
+            f"call jaxdist.comm.nccl.{call} before tracing code that uses backend='nccl'"
         )
     return _registry[k]
 
