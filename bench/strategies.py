@@ -219,7 +219,6 @@ def table(rows: list[tuple[str, str, dict]], baseline: str) -> str:
             lines.append(f"| {flavor} | {config} |" + " - |" * (len(head) - 3) + f" {r['error']} |")
             continue
         peak = next((v for k, v in DATASHEET_BF16_PEAK.items() if k in r["device"]), None)
-        ratio = lambda other: f"{r['tokens_per_gpu'] / tps[other]:.2f}" if other in tps else "-"
         cells = [
             flavor,
             config,
@@ -228,14 +227,18 @@ def table(rows: list[tuple[str, str, dict]], baseline: str) -> str:
             f"{r['tokens_per_gpu']:,.0f}",
             f"{100 * r['tokens_per_gpu'] * r['flops_per_token'] / peak:.1f}%" if peak else "-",
             f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-",
-            ratio((flavor, "1gpu")),
-            ratio((flavor, baseline)),
+            _ratio(r["tokens_per_gpu"], tps.get((flavor, "1gpu"))),
+            _ratio(r["tokens_per_gpu"], tps.get((flavor, baseline))),
             f"{r['loss']:.4f}",
             f"{r['first_step_s']:.0f}",
             "",
         ]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
+
+
+def _ratio(value: float, reference: float | None) -> str:
+    return f"{value / reference:.2f}" if reference else "-"
 
 
 def main() -> None:
