@@ -28,9 +28,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from results import append_result  # noqa: E402
 
 from jaxdist.ddp import DDP  # noqa: E402
+from jaxdist.engine import Parallel  # noqa: E402
 from jaxdist.fsdp import FSDP, Units  # noqa: E402
-from jaxdist.tensor_parallel import TensorParallel  # noqa: E402
-from jaxdist.train.gpt import FLAVORS, GPT, embed_inputs, head_loss, next_token_loss  # noqa: E402
+from jaxdist.train.gpt import FLAVORS, GPT, UNITS, embed_inputs, head_loss, next_token_loss, tp_plan_for  # noqa: E402
 from jaxdist.xla_auto import AutoShardedRun  # noqa: E402
 
 
@@ -55,7 +55,7 @@ def main():
         "jaxdist DDP": DDP(dp, zero1=False, bucket_size=100_000).prepare(model(), opt(), next_token_loss, batch),
         "jaxdist ZeRO-1": DDP(dp, zero1=True, bucket_size=100_000).prepare(model(), opt(), next_token_loss, batch),
         "jaxdist FSDP": FSDP(fsdp).prepare(model(), opt(), Units(embed_inputs, head_loss), batch),
-        "jaxdist DP x TP (2x4)": TensorParallel(dptp).prepare(model(), opt(), batch),
+        "jaxdist DP x TP (2x4)": Parallel(dptp, plan=tp_plan_for(cfg)).prepare(model(), opt(), UNITS, batch),
     }
     baseline = {
         "jaxdist DDP": "xla auto DP",

@@ -24,9 +24,9 @@ from results import append_result  # noqa: E402
 
 from jaxdist.comm import nccl  # noqa: E402
 from jaxdist.ddp import DDP  # noqa: E402
+from jaxdist.engine import Parallel  # noqa: E402
 from jaxdist.fsdp import FSDP, Units  # noqa: E402
-from jaxdist.tensor_parallel import TensorParallel  # noqa: E402
-from jaxdist.train.gpt import GPT, GPTConfig, embed_inputs, head_loss, next_token_loss  # noqa: E402
+from jaxdist.train.gpt import GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for  # noqa: E402
 
 CFG = GPTConfig(vocab_size=256, seq_len=128, d_model=256, n_heads=8, n_layers=4)
 
@@ -60,7 +60,7 @@ def prepare(strategy, mesh, backend, batch):
         return DDP(mesh, zero1=True, bucket_size=200_000, backend=backend).prepare(model, opt, next_token_loss, batch)
     if strategy == "fsdp":
         return FSDP(mesh, backend=backend).prepare(model, opt, Units(embed_inputs, head_loss), batch)
-    return TensorParallel(mesh, backend=backend).prepare(model, opt, batch)
+    return Parallel(mesh, plan=tp_plan_for(CFG), backend=backend).prepare(model, opt, UNITS, batch)
 
 
 def train(run, data):

@@ -11,9 +11,11 @@ Rows: every nccl op (blocking and non-blocking communicators); the xla backend
 (2+ GPUs: XLA removes one-device collectives); `all_reduce ungrouped`, the same
 all-reduce without ncclGroupStart/End around it (benchmark-only target), whose
 difference is the group's cost; non-blocking rows with the poll in "spin" mode
-next to the default "yield". Results are appended to bench/RESULTS.md by hand.
+next to the default "yield"; `all_reduce recorder off`, the same program run with the
+flight recorder switched off, whose difference is the recorder's cost per call
+(`--recorder off` runs every row without it). Results are appended to bench/RESULTS.md by hand.
 
-    python bench/nccl_micro.py [--calls 64] [--reps 30]
+    python bench/nccl_micro.py [--calls 64] [--reps 30] [--recorder on|off]
     python bench/nccl_micro.py --sweep      # bus bandwidth, 8 KB .. 1 GB per rank
 """
 
@@ -80,6 +82,19 @@ def timed(f, x) -> float:
     return time.perf_counter() - t0
 
 
+def recorder_off(f):
+    """`f` run with the flight recorder off: its host calls all happen before this returns."""
+
+    def run(x):
+        nccl.set_recorder(False)
+        try:
+            return f(x).block_until_ready()
+        finally:
+            nccl.set_recorder(True)
+
+    return run
+
+
 def measure(programs: dict, x, reps: int) -> dict:
     """Interleaved timing: one run of every program per rep."""
     for f in programs.values():
@@ -131,8 +146,11 @@ def main():
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--sweep", action="store_true", help="bus bandwidth 8 KB .. 1 GB instead (2+ GPUs)")
+    ap.add_argument("--recorder", choices=("on", "off"), default="on", help="the flight recorder (default on)")
     args = ap.parse_args()
     gpus = jax.devices("gpu")
+    nccl.load()
+    nccl.set_recorder(args.recorder == "on")
     if args.sweep:
         return sweep(gpus, calls=min(args.calls, 8), reps=min(args.reps, 5))
     rows = []
@@ -153,6 +171,9 @@ def main():
             if len(gpus) > 1 and blocking:
                 ops += ["all_reduce:xla", "sendrecv:xla", "all_gather:xla", "reduce_scatter:xla"]
             programs = {op: build(mesh, axis, op, args.calls) for op in ["empty", *ops]}
+            if blocking and args.recorder == "on":
+                ops.append("all_reduce recorder off:nccl")
+                programs[ops[-1]] = recorder_off(programs["all_reduce:nccl"])
             times = measure(programs, x, args.reps)
             floor = times["memcpy"]
             for op in ops:
@@ -165,6 +186,10 @@ def main():
                 grouped, ungrouped = times["all_reduce:nccl"], times["all_reduce_ungrouped:nccl"]
                 cost = np.median(grouped - ungrouped) / args.calls * 1e6
                 rows.append(("(group start/end cost)", mode, nbytes, cost, float("nan"), float("nan"), float("nan")))
+            if blocking and args.recorder == "on":
+                on, off = times["all_reduce:nccl"], times["all_reduce recorder off:nccl"]
+                cost = np.median(on - off) / args.calls * 1e6
+                rows.append(("(flight recorder cost)", mode, nbytes, cost, float("nan"), float("nan"), float("nan")))
     nccl.set_poll_mode("yield")
     kind = gpus[0].device_kind
     lines = [f"{len(gpus)} x {kind}, jax {jax.__version__}, {args.calls} unrolled calls, {args.reps} reps", "```"]

@@ -1,7 +1,11 @@
 """Train a GPT with tensor parallelism x data parallelism (8 simulated CPU devices without GPUs).
 
-python examples/dp_tp_gpt.py            # dp=2 x tp=4
+The GPT's own forward runs on each rank's pieces: its TP plan (jaxdist.train.gpt.TP_PLAN) says
+which layers split how, and the unit engine binds the parallel layers in their place.
+
+python examples/dp_tp_gpt.py            # dp=2 x tp=4, ZeRO-1 over dp
 python examples/dp_tp_gpt.py --seqpar   # with sequence parallelism
+python examples/dp_tp_gpt.py --fsdp     # fsdp=2 x tp=4 (parameters re-gathered for backward)
 """
 
 import os
@@ -14,14 +18,15 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxdist.tensor_parallel import TensorParallel  # noqa: E402
-from jaxdist.train.gpt import GPT, GPTConfig  # noqa: E402
+from jaxdist.engine import Parallel  # noqa: E402
+from jaxdist.train.gpt import GPT, UNITS, GPTConfig, tp_plan_for  # noqa: E402
 
 
 def main() -> None:
     devices = jax.devices() if len(jax.devices()) >= 2 else jax.devices("cpu")
     tp = 4 if len(devices) % 4 == 0 else 1
-    mesh = jax.make_mesh((len(devices) // tp, tp), ("dp", "tp"), devices=devices)
+    data_axis = "fsdp" if "--fsdp" in sys.argv else "dp"
+    mesh = jax.make_mesh((len(devices) // tp, tp), (data_axis, "tp"), devices=devices)
     cfg = GPTConfig(vocab_size=32, seq_len=32, d_model=64, n_heads=4, n_layers=2)
     rng = np.random.default_rng(0)
 
@@ -29,9 +34,9 @@ def main() -> None:
         start = rng.integers(0, cfg.vocab_size, (16, 1))
         return {"tokens": ((start + np.arange(cfg.seq_len + 1)) % cfg.vocab_size).astype(np.int32)}
 
-    parallel = TensorParallel(mesh, sequence_parallel="--seqpar" in sys.argv)
-    run = parallel.prepare(GPT(cfg, nnx.Rngs(0)), optax.adamw(3e-3), batch())
-    print(f"mesh {dict(mesh.shape)}: each block's weights split over tp, each piece sharded over dp\n")
+    parallel = Parallel(mesh, plan=tp_plan_for(cfg), sequence_parallel="--seqpar" in sys.argv and tp > 1)
+    run = parallel.prepare(GPT(cfg, nnx.Rngs(0)), optax.adamw(3e-3), UNITS, batch())
+    print(f"mesh {dict(mesh.shape)}: each block's weights split over tp, each piece sharded over {data_axis}\n")
     state = run.state
     for step in range(30):
         state, metrics = run.step(state, batch())

@@ -22,11 +22,13 @@ class NativeLibraryError(RuntimeError):
 
 
 def library_dirs() -> list[Path]:
-    """Where the build puts the compiled libraries: next to this package, or
-    in the site-packages copy an editable install keeps them in."""
+    """Where the build puts the compiled libraries: beside the library
+    $JAXDIST_FFI_LIBRARY names (a developer's own build), next to this package,
+    or in the site-packages copy an editable install keeps them in."""
+    override = [Path(os.environ[LIBRARY_ENV]).resolve().parent] if os.environ.get(LIBRARY_ENV) else []
     here = Path(__file__).resolve().parent / "_lib"
     others = [Path(p) / "jaxdist" / "_lib" for p in sys.path if p]
-    return list(dict.fromkeys([here, *others]))
+    return list(dict.fromkeys([*override, here, *others]))
 
 
 def find_library(name: str) -> Path | None:
@@ -81,6 +83,15 @@ def _declare(lib: ctypes.CDLL) -> None:
         "jaxdist_set_timeout_ms": (None, [c.c_int64]),
         "jaxdist_set_debug_delay_us": (None, [c.c_int64]),
         "jaxdist_set_poll_mode": (None, [c.c_int]),
+        "jaxdist_watchdog_start": (None, [c.c_int64]),
+        "jaxdist_watchdog_stop": (None, []),
+        "jaxdist_watchdog_check": (None, []),
+        "jaxdist_watchdog_trip": (None, [c.c_char_p]),
+        "jaxdist_watchdog_failure": (c.c_int64, [c.c_char_p, c.c_int64]),
+        "jaxdist_flight_record": (c.c_int64, [c.c_int, c.c_char_p, c.c_int64]),
+        "jaxdist_flight_set_step": (None, [c.c_int64]),
+        "jaxdist_flight_set_process": (None, [c.c_int]),
+        "jaxdist_flight_set_enabled": (None, [c.c_int]),
         "jaxdist_test_issue": (
             c.c_int,
             [c.c_int64, c.c_int, c.c_int, c.c_int64, c.c_int, c.c_int, c.c_char_p, c.c_int],
@@ -90,6 +101,18 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.restype = restype
         fn.argtypes = argtypes
+
+
+def read_string(fn_name: str, *args) -> str:
+    """Call a C entry point that copies a string into a trailing (buf, len) pair and returns its length."""
+    fn = getattr(ffi_library(), fn_name)
+    n = fn(*args, None, 0)
+    while True:  # the string may grow between the calls
+        buf = ctypes.create_string_buffer(n + 1)
+        m = fn(*args, buf, n + 1)
+        if m <= n:
+            return buf.value.decode(errors="replace")
+        n = m
 
 
 def call(fn_name: str, *args) -> None:

@@ -102,14 +102,12 @@ def test_nccl_handle_carried_through_a_scan_is_refused():
 
 
 @pytest.mark.parametrize("delay_us", [0, 300], ids=["no-delay", "delay"])
-def test_tensor_parallel_nccl_uses_this_steps_weights(delay_us):
+def test_unit_engine_nccl_uses_this_steps_weights(delay_us):
     """Seed 000 on the GPU: with a delay before every NCCL op, blocks still compute with the
-    weights this step's dp gather published (never last step's), and match the xla backend."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
+    weights this step's data-parallel gather published (never last step's), and match the xla backend."""
     from jaxdist.comm import nccl
-    from jaxdist.tensor_parallel import TensorParallel
+    from jaxdist.engine import Parallel
+    from jaxdist.train.gpt import UNITS
 
     mesh = Mesh(np.asarray(jax.devices("gpu")[:1]).reshape(1, 1), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
     nccl.init(mesh)
@@ -119,16 +117,41 @@ def test_tensor_parallel_nccl_uses_this_steps_weights(delay_us):
     for backend in ("nccl", "xla"):
         nccl.set_debug_delay(delay_us if backend == "nccl" else 0)
         try:
-            run = TensorParallel(mesh, backend=backend).prepare(GPT(cfg, nnx.Rngs(0)), optax.adam(1e-3), batches[0])
+            strategy = Parallel(mesh, record_weights=True, backend=backend)
+            run = strategy.prepare(GPT(cfg, nnx.Rngs(0)), optax.adam(1e-3), UNITS, batches[0])
             state, losses = run.state, []
             for batch in batches:
-                before = np.asarray(jax.device_put(state.params["blocks"], NamedSharding(mesh, P())), np.float64)
+                blocks = nnx.to_pure_dict(run.params(state))["blocks"]
+                published = [
+                    sum(np.sum(np.asarray(x, np.float64)) for x in jax.tree.leaves(blocks[i])) for i in range(4)
+                ]
                 state, m = run.step(state, batch)
                 losses.append(float(m["loss"]))
-                published = before.reshape(cfg.n_layers, -1).sum(axis=1)
                 np.testing.assert_allclose(np.asarray(m["weights_used"]), published, rtol=1e-5)
             out[backend] = (losses, jax.tree.map(np.asarray, run.params(state)))
         finally:
             nccl.set_debug_delay(0)
     assert len(set(out["nccl"][0])) == len(batches)
     _assert_same(out["nccl"], out["xla"])
+
+
+@pytest.mark.multigpu
+def test_tensor_parallel_gpt_keeps_bf16_and_cudnn_attention():
+    """Under TP the GPT's own forward runs: bf16 matmuls and cuDNN flash attention, as on one GPU."""
+    import jax.numpy as jnp
+
+    from jaxdist.engine import Parallel
+    from jaxdist.train.gpt import UNITS, tp_plan_for
+
+    mesh = Mesh(np.asarray(jax.devices("gpu")[:2]).reshape(1, 2), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
+    cfg = GPTConfig(
+        vocab_size=128, seq_len=128, d_model=128, n_heads=4, n_layers=2, dtype=jnp.bfloat16, attention="cudnn"
+    )
+    batch = {"tokens": np.zeros((4, 129), np.int32)}
+    run = Parallel(mesh, plan=tp_plan_for(cfg)).prepare(GPT(cfg, nnx.Rngs(0)), optax.adam(1e-3), UNITS, batch)
+    text = run.step.lower(run.state, batch).compile().as_text()
+    assert "__cudnn$fmha" in text
+    dots = [line for line in run.step.lower(run.state, batch).as_text().splitlines() if "dot_general" in line]
+    assert dots and all("bf16" in line for line in dots)
+    state, m = run.step(run.state, batch)
+    assert np.isfinite(float(m["loss"]))

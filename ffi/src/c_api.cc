@@ -7,6 +7,7 @@
 
 #include "comms.h"
 #include "dynload.h"
+#include "watchdog.h"
 
 using namespace jaxdist;
 
@@ -151,6 +152,25 @@ int jaxdist_comm_destroy(int64_t key, char* err, int errlen) {
 }
 
 void jaxdist_set_timeout_ms(int64_t ms) { SetTimeoutMs(ms); }
+
+// The flight recorder and the watchdog (flight_recorder.h, watchdog.h).
+void jaxdist_watchdog_start(int64_t period_ms) { StartWatchdog(period_ms); }
+void jaxdist_watchdog_stop() { StopWatchdog(); }
+void jaxdist_watchdog_check() { WatchdogCheck(); }
+void jaxdist_watchdog_trip(const char* why) { TripWatchdog(why); }
+void jaxdist_flight_set_step(int64_t step) { SetCurrentStep(step); }
+void jaxdist_flight_set_process(int index) { SetProcessIndex(index); }
+void jaxdist_flight_set_enabled(int on) { SetRecorderEnabled(on != 0); }
+
+// Copies a string into (out, len) if it fits; returns its length (call again with more room).
+static int64_t CopyOut(const std::string& s, char* out, int64_t len) {
+  if (out != nullptr && len > static_cast<int64_t>(s.size())) std::memcpy(out, s.c_str(), s.size() + 1);
+  return static_cast<int64_t>(s.size());
+}
+int64_t jaxdist_watchdog_failure(char* out, int64_t len) { return CopyOut(WatchdogFailure(), out, len); }
+int64_t jaxdist_flight_record(int with_ops, char* out, int64_t len) {
+  return CopyOut(FlightRecordJson(with_ops != 0), out, len);
+}
 void jaxdist_set_debug_delay_us(int64_t us) { SetDebugDelayUs(us); }
 void jaxdist_set_poll_mode(int mode) { SetPollMode(mode); }
 

@@ -48,11 +48,19 @@ std::string Describe(const NcclApi& nccl, const Comm& comm, const char* op, nccl
   return msg;
 }
 
-static std::string AbortWith(const NcclApi& nccl, Comm& comm, std::string msg) {
-  if (!comm.aborted && comm.comm != nullptr) nccl.CommAbort(comm.comm);
+static std::mutex abort_mutex;  // the handler thread and the watchdog may abort at once
+
+std::string Abort(const NcclApi& nccl, Comm& comm, const std::string& msg) {
+  std::lock_guard<std::mutex> lock(abort_mutex);
+  if (comm.aborted) return comm.failure;
+  if (comm.comm != nullptr) nccl.CommAbort(comm.comm);
+  comm.failure = msg;
   comm.aborted = true;
-  comm.failure = msg + "; the communicator was aborted";
   return comm.failure;
+}
+
+static std::string AbortWith(const NcclApi& nccl, Comm& comm, std::string msg) {
+  return Abort(nccl, comm, msg + "; the communicator was aborted");
 }
 
 std::string Poll(const NcclApi& nccl, Comm& comm, const char* op, ncclResult_t issued) {
@@ -73,7 +81,13 @@ std::string Poll(const NcclApi& nccl, Comm& comm, const char* op, ncclResult_t i
   auto nap = std::chrono::microseconds(20);
   for (;;) {
     ncclResult_t state = ncclInProgress;
-    ncclResult_t r = nccl.CommGetAsyncError(comm.comm, &state);
+    ncclResult_t r;
+    {
+      // The watchdog thread may abort (and NCCL free) the communicator at any time.
+      std::lock_guard<std::mutex> lock(abort_mutex);
+      if (comm.aborted) return comm.failure;
+      r = nccl.CommGetAsyncError(comm.comm, &state);
+    }
     if (r != ncclSuccess) return AbortWith(nccl, comm, Describe(nccl, comm, op, r));
     if (state == ncclSuccess) return "";
     if (state != ncclInProgress) return AbortWith(nccl, comm, Describe(nccl, comm, op, state));
@@ -101,6 +115,9 @@ std::string EnsureReady(const NcclApi& nccl, Comm& comm, const char* op) {
   return err;
 }
 
+static std::string IssueUnrecorded(const NcclApi& nccl, Comm& comm, const OpDesc& op, cudaStream_t stream,
+                                   bool grouped);
+
 std::string Issue(const NcclApi& nccl, Comm& comm, const OpDesc& op, cudaStream_t stream, bool grouped) {
   const char* name = OpName(op.kind);
   std::string err = EnsureReady(nccl, comm, name);
@@ -110,6 +127,18 @@ std::string Issue(const NcclApi& nccl, Comm& comm, const OpDesc& op, cudaStream_
     // ungrouped point-to-point op on a non-blocking communicator, so it refuses both.
     return "jaxdist nccl: the ungrouped benchmark path takes collectives on blocking communicators only";
   }
+  // The flight record: "started" is recorded on the stream before the op, "finished" after it.
+  const bool record = RecorderEnabled();
+  const uint64_t seq =
+      record ? comm.recorder.Begin(op.kind, op.dtype, op.count, op.send_peer, op.recv_peer, stream) : 0;
+  err = IssueUnrecorded(nccl, comm, op, stream, grouped);
+  if (record && err.empty()) comm.recorder.End(seq, stream);
+  return err;
+}
+
+static std::string IssueUnrecorded(const NcclApi& nccl, Comm& comm, const OpDesc& op, cudaStream_t stream,
+                                   bool grouped) {
+  const char* name = OpName(op.kind);
   if (!grouped) {
     ncclResult_t call = ncclSuccess;
     switch (op.kind) {
@@ -173,6 +202,12 @@ void ForEachComm(int64_t key, const std::function<void(Comm&)>& fn) {
   auto it = registry.find(key);
   if (it == registry.end()) return;
   for (auto& [device, comm] : it->second) fn(*comm);
+}
+
+void ForEachCommOfAllKeys(const std::function<void(int64_t key, Comm&)>& fn) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  for (auto& [key, comms] : registry)
+    for (auto& [device, comm] : comms) fn(key, *comm);
 }
 
 void RemoveComms(int64_t key) {

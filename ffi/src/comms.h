@@ -5,11 +5,13 @@
 // missing from the stream when the event is recorded (seed 003).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <string>
 
 #include "dynload.h"
+#include "flight_recorder.h"
 
 namespace jaxdist {
 
@@ -20,9 +22,10 @@ struct Comm {
   int device = -1;
   bool blocking = true;
   bool ready = false;    // non-blocking init finished
-  bool aborted = false;
+  std::atomic<bool> aborted{false};  // the watchdog thread may abort it
   std::string axis;
   std::string failure;   // set once aborted; every later use reports it
+  FlightRecorder recorder;
 };
 
 // Deadline for one poll loop, and the injected delay before each NCCL op.
@@ -41,10 +44,11 @@ std::string Poll(const NcclApi& nccl, Comm& comm, const char* op, ncclResult_t i
 // The message for a failed call, without polling.
 std::string Describe(const NcclApi& nccl, const Comm& comm, const char* op, ncclResult_t r, const std::string& extra = "");
 
+// Aborts `comm` (once) and makes `msg` the failure every later use reports.
+std::string Abort(const NcclApi& nccl, Comm& comm, const std::string& msg);
+
 // Waits for a non-blocking init to finish (first use of the communicator).
 std::string EnsureReady(const NcclApi& nccl, Comm& comm, const char* op);
-
-enum class OpKind { kAllReduce = 0, kAllGather = 1, kReduceScatter = 2, kSendRecv = 3 };
 
 struct OpDesc {
   OpKind kind;
@@ -57,8 +61,6 @@ struct OpDesc {
   int recv_peer = -1;  // sendrecv: rank to receive from, or -1
 };
 
-const char* OpName(OpKind kind);
-
 // Issues one op on `stream`: group start, the NCCL call(s), group end, poll.
 // `grouped=false` is the benchmark's measure of the group's cost: collectives on
 // blocking communicators only (it refuses the rest).
@@ -70,5 +72,6 @@ Comm* FindComm(int64_t key, int device);
 Comm* AddComm(int64_t key, int device);
 void ForEachComm(int64_t key, const std::function<void(Comm&)>& fn);
 void RemoveComms(int64_t key);
+void ForEachCommOfAllKeys(const std::function<void(int64_t key, Comm&)>& fn);
 
 }  // namespace jaxdist

@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <cstdlib>
 #include <mutex>
 
 namespace jaxdist {
@@ -76,10 +77,12 @@ const CudaApi* Cuda(std::string* error) {
   static CudaApi api;
   static std::string load_error;
   static bool ok = [] {
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    const char* override_path = getenv("JAXDIST_CUDA_DRIVER_LIBRARY");
+    const char* path = override_path != nullptr && override_path[0] != '\0' ? override_path : "libcuda.so.1";
+    void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (lib == nullptr) {
       const char* why = dlerror();
-      load_error = std::string("cannot load the CUDA driver libcuda.so.1: ") + (why ? why : "unknown");
+      load_error = std::string("cannot load the CUDA driver ") + path + ": " + (why ? why : "unknown");
       return false;
     }
     std::string missing;
@@ -95,6 +98,8 @@ const CudaApi* Cuda(std::string* error) {
     Bind(lib, "cuMemcpyDtoDAsync_v2", &api.MemcpyDtoDAsync, &missing);
     Bind(lib, "cuMemsetD8Async", &api.MemsetD8Async, &missing);
     Bind(lib, "cuGetErrorString", &api.GetErrorString, &missing);
+    Bind(lib, "cuEventQuery", &api.EventQuery, &missing);
+    Bind(lib, "cuCtxGetCurrent", &api.CtxGetCurrent, &missing);
     if (!missing.empty()) {
       load_error = "libcuda.so.1 lacks " + missing;
       return false;

@@ -44,6 +44,9 @@ struct CudaApi {
   CUresult (*MemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
   CUresult (*MemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
   CUresult (*GetErrorString)(CUresult, const char**);
+  // The flight recorder's: whether an op's events have been reached, from any thread.
+  CUresult (*EventQuery)(CUevent);
+  CUresult (*CtxGetCurrent)(CUcontext*);
 };
 
 // Loads libnccl from `path` once per process. Returns nullptr and sets
@@ -51,7 +54,9 @@ struct CudaApi {
 const NcclApi* LoadNccl(const char* path, std::string* error);
 const NcclApi* Nccl();  // nullptr until LoadNccl succeeded
 
-// Loads the CUDA driver API from libcuda.so.1 once per process.
+// Loads the CUDA driver API from libcuda.so.1 once per process
+// ($JAXDIST_CUDA_DRIVER_LIBRARY overrides the path: the CPU tests point it at
+// the test double, which can hold an event forever).
 const CudaApi* Cuda(std::string* error);
 
 }  // namespace jaxdist

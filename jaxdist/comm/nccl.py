@@ -8,8 +8,10 @@ key-value store. Non-blocking communicators (`blocking=False`) return from
 Environment:
   JAXDIST_NCCL_LIBRARY         libnccl.so.2 to load (default: the nvidia.nccl wheel's,
                                the one JAX's CUDA plugin uses)
-  JAXDIST_NCCL_TIMEOUT_S       deadline for any NCCL call to leave ncclInProgress (300)
+  JAXDIST_NCCL_TIMEOUT_S       deadline for any NCCL call to leave ncclInProgress, and for every
+                               enqueued op to finish on the GPU (the watchdog; 300)
   JAXDIST_NCCL_DEBUG_DELAY_US  sleep this long on the stream before every NCCL op (race tests)
+  (the flight recorder's and the watchdog's: see jaxdist.comm.watchdog)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import functools
 import importlib.util
 import itertools
 import os
+import sys
 from pathlib import Path
 
 import jax
@@ -28,8 +31,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxdist import _native
+from jaxdist.comm import watchdog
 from jaxdist.comm._backend import Backend, current_site, floating_and_int_dtypes
 from jaxdist.comm._sequence import sequence
+from jaxdist.comm.watchdog import NcclTimeoutError, check, flight_record, set_recorder  # noqa: F401  (public API)
 
 NCCL_LIBRARY_ENV = "JAXDIST_NCCL_LIBRARY"
 TIMEOUT_ENV = "JAXDIST_NCCL_TIMEOUT_S"
@@ -77,11 +82,13 @@ def load() -> ctypes.CDLL:
     lib.jaxdist_set_poll_mode(_poll_mode(os.environ.get(POLL_ENV, "yield")))
     for name in _TARGETS:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="CUDA")
+    watchdog.start(_timeout_s())
     return lib
 
 
 def set_timeout(seconds: float) -> None:
-    """Deadline for every NCCL call to finish its enqueue (default 300 s)."""
+    """Deadline for every NCCL call to finish its enqueue, and for every enqueued op to
+    finish on the GPU before the watchdog aborts (default 300 s, or $JAXDIST_NCCL_TIMEOUT_S)."""
     load().jaxdist_set_timeout_ms(int(seconds * 1000))
 
 
@@ -199,16 +206,37 @@ def wait_ready() -> None:
 
 
 def shutdown() -> None:
-    """Finalize and destroy every communicator (also run at interpreter exit)."""
-    while _registry:
-        _, key = _registry.popitem()
-        try:
-            _native.call("jaxdist_comm_destroy", key)
-        except RuntimeError as e:  # at exit there is no one left to raise to
-            print(f"jaxdist: {e}")
+    """End of the run: check that every process got to the end with the same ops (multi-process;
+    raises NcclTimeoutError naming the op and the missing rank otherwise), stop the watchdog,
+    then finalize and destroy every communicator (aborted ones are only freed).
+
+    Also run at interpreter exit, before jax's own exit handler shuts jax.distributed down
+    (atexit runs handlers last-registered first, and this module registers after jax's)."""
+    try:
+        if _registry:
+            watchdog.agree_before_shutdown(_timeout_s() + 10)
+    finally:
+        watchdog.stop()
+        while _registry:
+            _, key = _registry.popitem()
+            try:
+                _native.call("jaxdist_comm_destroy", key)
+            except RuntimeError as e:  # at exit there is no one left to raise to
+                print(f"jaxdist: {e}")
 
 
-atexit.register(shutdown)
+def _shutdown_at_exit() -> None:
+    try:
+        shutdown()
+    except NcclTimeoutError as e:
+        print(f"jaxdist: {e}", file=sys.stderr, flush=True)
+    if watchdog.failure():
+        # A failed run must not end with status 0 (an exception in an exit handler leaves it
+        # alone), nor wait in jax.distributed's shutdown barrier for a peer that may never come.
+        watchdog.exit_after_failure()
+
+
+atexit.register(_shutdown_at_exit)
 
 
 def _comm_key(axis_name) -> int:

@@ -74,6 +74,7 @@ class RunConfig:
     resume: bool = True  # continue from the newest checkpoint in out_dir if there is one
     tensorboard: bool = False
     progress: bool = True
+    step_timeout_s: float = 0.0  # a step running longer ends the process with a report (0: off; train.step_watchdog)
 
 
 @dataclasses.dataclass

@@ -15,6 +15,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxdist import tp_plan
+from jaxdist.engine import Units
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -75,11 +78,12 @@ class Block(nnx.Module):
         self.out = _dense(cfg, cfg.ff, d, rngs, proj_scale)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        b, t, d = x.shape
         q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
-        heads = lambda a: a.reshape(b, t, self.n_heads, d // self.n_heads)
+        # sizes from the arrays and `n_heads`, so the block also runs on one tensor-parallel
+        # rank's heads (the TP plan divides n_heads) and on a sequence-parallel chunk
+        heads = lambda a: a.reshape(*a.shape[:-1], self.n_heads, a.shape[-1] // self.n_heads)
         att = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=True, implementation=self.attention)
-        x = x + self.proj(att.reshape(b, t, d))
+        x = x + self.proj(att.reshape(*att.shape[:-2], -1))
         return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
 
 
@@ -127,3 +131,30 @@ def next_token_loss(model: GPT, batch: dict) -> jax.Array:
     for block in model.blocks:
         x = block(x)
     return head_loss(model, x, batch)
+
+
+# How the GPT splits over a tensor-parallel axis (Megatron's layout): q/k/v by heads (one column
+# split per part of the fused projection), the attention and MLP outputs by rows, the MLP input
+# by columns, the vocabulary of the embedding (and of the tied or separate head, whose logits
+# are gathered for `head_loss`); norms, row biases and positions replicated.
+TP_PLAN = tp_plan.TPPlan(
+    layers={
+        "wte": tp_plan.vocab(),
+        "blocks/*/qkv": tp_plan.column(groups=3),
+        "blocks/*/proj": tp_plan.row(),
+        "blocks/*/fc": tp_plan.column(),
+        "blocks/*/out": tp_plan.row(),
+        "head": tp_plan.column(gather_output=True),
+    },
+    divide={"blocks/*": ("n_heads",)},
+)
+
+# The GPT as units: embeddings, each block, then final norm, head and loss.
+UNITS = Units(embed=embed_inputs, head_loss=head_loss, blocks="blocks")
+
+
+def tp_plan_for(cfg: GPTConfig) -> tp_plan.TPPlan:
+    """`TP_PLAN` without the head rule when the head is tied to the embedding."""
+    if cfg.tie_embeddings:
+        return dataclasses.replace(TP_PLAN, layers={k: v for k, v in TP_PLAN.layers.items() if k != "head"})
+    return TP_PLAN

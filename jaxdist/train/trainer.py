@@ -1,8 +1,9 @@
 """The trainer: config -> mesh, model, optimizer, strategy, data -> a loop with metrics and checkpoints.
 
 `parallelize` is the one place that turns the `parallel` section into a
-strategy: tp > 1 gives DP x TP, fsdp > 1 FSDP (HSDP with dp > 1), otherwise
-DDP (ZeRO-1 unless parallel.zero1=false).
+strategy: tp > 1 gives the unit engine with the GPT's TP plan (DP x TP with
+ZeRO-1 over dp, or FSDP x TP, HSDP x TP with fsdp > 1), fsdp > 1 alone FSDP
+(HSDP with dp > 1), otherwise DDP (ZeRO-1 unless parallel.zero1=false).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.train import data as data_lib
 from jaxdist.train.checkpoint import Checkpoints, check_same_model
 from jaxdist.train.config import ConfigError, TrainConfig
-from jaxdist.train.gpt import FLAVORS, GPT, GPTConfig, embed_inputs, head_loss, next_token_loss
+from jaxdist.train.gpt import FLAVORS, GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for
+from jaxdist.train.step_watchdog import StepWatchdog, timeout_from
 
 # bf16 dense matrix peak, FLOP/s, by device kind (H200: the rate measured on the lent machine)
 PEAK_FLOPS = {"NVIDIA H200": 790e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA A100-SXM4-80GB": 312e12}
@@ -73,9 +75,9 @@ def make_mesh(cfg: TrainConfig, devices) -> jax.sharding.Mesh:
             f"parallel.dp x fsdp x tp = {p.dp} x {p.fsdp} x {p.tp} does not multiply to the {n} devices; "
             f"pick sizes whose product is {n} (dp=-1 fills in the rest)"
         )
-    if p.fsdp > 1 and p.tp > 1:
-        raise ConfigError("parallel.fsdp and parallel.tp cannot both be > 1 yet; use FSDP or DP x TP")
-    if p.tp > 1:
+    if p.tp > 1 and p.fsdp > 1:
+        shape, names = (dp, p.fsdp, p.tp), ("dp", "fsdp", "tp")
+    elif p.tp > 1:
         shape, names = (dp, p.tp), ("dp", "tp")
     elif p.fsdp > 1:
         shape, names = (dp, p.fsdp), ("dp", "fsdp")
@@ -100,8 +102,8 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
     """The strategy the `parallel` section asks for, prepared on `model`."""
     from jaxdist.ddp import DDP
+    from jaxdist.engine import Parallel
     from jaxdist.fsdp import FSDP, Units
-    from jaxdist.tensor_parallel import TensorParallel
 
     p, o = cfg.parallel, cfg.optim
     clip = o.max_grad_norm if o.max_grad_norm > 0 else None
@@ -113,11 +115,19 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
         from jaxdist.comm import nccl
 
         nccl.init(mesh)
-    if p.tp > 1:
-        strategy = TensorParallel(
-            mesh, sequence_parallel=p.sequence_parallel, remat=p.remat, max_grad_norm=clip, backend=p.backend
+    if p.tp > 1:  # the GPT's TP plan, then the data axes' storage: ZeRO-3 over fsdp, else ZeRO-1 over dp
+        if p.update_in_backward:
+            raise ConfigError("parallel.update_in_backward works with FSDP alone (tp=1); set it to false")
+        strategy = Parallel(
+            mesh,
+            plan=tp_plan_for(model.cfg),
+            zero1=p.zero1,
+            sequence_parallel=p.sequence_parallel,
+            remat=p.remat,
+            max_grad_norm=clip,
+            backend=p.backend,
         )
-        return strategy.prepare(model, optimizer, batch)
+        return strategy.prepare(model, optimizer, UNITS, batch)
     if p.fsdp > 1:
         dp_axis = "dp" if mesh.shape["dp"] > 1 else None
         strategy = FSDP(
@@ -268,8 +278,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
 
     step = start
     window_start, window_tokens = time.perf_counter(), 0
+    guard = StepWatchdog(timeout_from(cfg.run.step_timeout_s), out_dir, process_index=jax.process_index())
     try:
         for step in range(start, end):
+            guard.beat(step)  # a step (or the log/checkpoint work after it) past the deadline ends the run
             batch = _global_batch(source.batch(step, cfg.data.batch_size), batch_sharding)
             state, metrics = run.step(state, batch)
             pending.append(metrics["loss"])  # read back only when logging: no host sync per step
@@ -295,6 +307,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
                     "skipped": bool(_host(metrics["skipped"])) if "skipped" in metrics else False,
                 }
                 log.write(row)
+                guard.record(row)
                 bar.update(step + 1, row)
                 window_start, window_tokens = time.perf_counter(), 0
             if ckpt and cfg.run.checkpoint_every > 0 and (step + 1) % cfg.run.checkpoint_every == 0 and not last:
@@ -307,6 +320,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
         save(done)
         raise
     finally:
+        guard.close()
         bar.close()
         log.close()
         if ckpt:

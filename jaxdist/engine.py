@@ -1,0 +1,556 @@
+"""The unit engine: data parallelism (replicated, ZeRO-1 or ZeRO-3 storage) x tensor parallelism
+through a plan, over an unmodified Flax NNX model split into units.
+
+A model splits into units (`Units`): the part before the repeated blocks
+(`embed`), each block, and the part after (`head_loss`). Every parameter is
+stored as one `jax.Array` of the model's own shape (the optimizer sees the
+model's parameter tree, so any optax transformation is exact), sharded:
+
+* over `tp` as the `TPPlan` places it (column, row, vocab or replicated);
+* over the data axes by the storage mode: replicated (plain DP), ZeRO-1
+  (sharded over `dp`, gathered once per step and kept for backward) or
+  ZeRO-3 (sharded over `fsdp`, gathered before forward and again before
+  backward). HSDP is ZeRO-3 over `fsdp` with replicas over `dp`.
+
+A step gathers each unit's pieces over the storage axis one unit ahead of its
+use, runs the unit's own code (the model's modules, with the plan's parallel
+layers bound in place of the matched ones), and reduces each unit's gradients
+while the previous unit runs backward. Both loops are
+`jaxdist._pipeline.pipelined_loop` (unrolled, since each block may have its
+own structure), so a unit's weights exist only as the value returned by the
+wait of this step's gather (seed 000), and the carry bounds the gathered
+units (seed 002). The optimizer then updates the sharded parameter tree
+outside the per-device program, where global reductions (clipping) are exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import comm
+from jaxdist import tp as tp_math
+from jaxdist._pipeline import AsyncOp, pipelined_loop
+from jaxdist._step import TrainState, local_batch_avals
+from jaxdist.tp_plan import Binding, TPPlan, bind, from_storage, to_storage
+
+
+@dataclasses.dataclass(frozen=True)
+class Units:
+    """How a model splits into units: `embed(model, batch) -> x`, then every block of
+    `getattr(model, blocks)` as `x = block(x)`, then `head_loss(model, x, batch) -> loss`."""
+
+    embed: Callable[[nnx.Module, Any], jax.Array]
+    head_loss: Callable[[nnx.Module, jax.Array, Any], jax.Array]
+    blocks: str = "blocks"
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """Options of DP x FSDP x TP training over the mesh axes that exist.
+
+    Attributes:
+      mesh: the device mesh; any of the axes `dp_axis`, `fsdp_axis`, `tp_axis`.
+      plan: how layers split over `tp_axis` (needed when that axis has size > 1).
+      zero1: without an `fsdp` axis, shard parameters and optimizer state over
+        `dp` (gathered once per step and kept for backward); False replicates them.
+      reshard_after_forward: with an `fsdp` axis, drop gathered units after the
+        forward and gather them again for backward (ZeRO-3); False keeps them.
+      sequence_parallel: between the tp layers, activations are split along the
+        sequence (dimension 1) over `tp`.
+      remat: recompute each block's activations in backward (`jax.checkpoint`
+        around the gathered weights: no second gather).
+      max_grad_norm: clip by the global gradient norm, or None.
+      skip_nonfinite: skip the update (and report it) when the gradient norm is NaN/Inf.
+      record_weights: report, per block, the sum of the weights it computed with
+        (`metrics["weights_used"]`; a test probe that costs a reduction per step).
+      backend: the `jaxdist.comm` backend.
+    """
+
+    mesh: jax.sharding.Mesh
+    plan: TPPlan | None = None
+    dp_axis: str = "dp"
+    fsdp_axis: str = "fsdp"
+    tp_axis: str = "tp"
+    zero1: bool = True
+    reshard_after_forward: bool = True
+    sequence_parallel: bool = False
+    remat: bool = False
+    max_grad_norm: float | None = None
+    skip_nonfinite: bool = True
+    record_weights: bool = False
+    backend: str | None = None
+
+    def __post_init__(self):
+        names = self.mesh.axis_names
+        known = {self.dp_axis, self.fsdp_axis, self.tp_axis}
+        unknown = [a for a in names if a not in known]
+        if unknown:
+            raise ValueError(
+                f"Parallel: mesh axes {unknown} are none of dp_axis={self.dp_axis!r}, fsdp_axis={self.fsdp_axis!r}, "
+                f"tp_axis={self.tp_axis!r}; name the mesh axes after them or pass the names"
+            )
+        if self.tp > 1 and self.plan is None:
+            raise ValueError(f"Parallel: the {self.tp_axis!r} axis has size {self.tp}; pass plan=TPPlan(...)")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("Parallel: sequence_parallel needs a tp axis of size > 1")
+
+    def _size(self, axis: str) -> int:
+        return self.mesh.shape[axis] if axis in self.mesh.axis_names else 1
+
+    @property
+    def tp(self) -> int:
+        return self._size(self.tp_axis)
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in (self.dp_axis, self.fsdp_axis) if a in self.mesh.axis_names)
+
+    @property
+    def storage_axis(self) -> str | None:
+        """The data axis parameters are sharded over: fsdp (ZeRO-3), else dp with zero1, else none."""
+        if self.fsdp_axis in self.mesh.axis_names:
+            return self.fsdp_axis
+        if self.zero1 and self.dp_axis in self.mesh.axis_names:
+            return self.dp_axis
+        return None
+
+    @property
+    def regather(self) -> bool:
+        return self.storage_axis == self.fsdp_axis and self.reshard_after_forward
+
+    def prepare(self, model: nnx.Module, optimizer: optax.GradientTransformation, units: Units, batch):
+        """Shard `model`'s parameters and build the train step.
+
+        Args:
+          model: a Flax NNX model; `units` says how it splits.
+          optimizer: any optax transformation; it sees the model's parameter tree.
+          units: the model's embed / blocks / head split.
+          batch: an example global batch (a pytree); its leading dimension is split over the data axes.
+        """
+        return ParallelRun(self, model, optimizer, units, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """One parameter: its path, full shape, how it splits over tp and over the storage axis."""
+
+    path: tuple
+    shape: tuple
+    dtype: Any
+    tp_dim: int | None
+    groups: int
+    local: tuple  # this rank's tp piece
+    store_dim: int | None  # dimension of the tp piece sharded over the storage axis
+
+    @property
+    def name(self) -> str:
+        return "/".join(map(str, self.path))
+
+
+class ParallelRun:
+    """A prepared run: `state`, `step(state, batch) -> (state, metrics)`, `params(state)`, `model(state)`."""
+
+    def __init__(self, cfg: Parallel, model: nnx.Module, optimizer, units: Units, batch):
+        self.cfg, self.optimizer, self.units = cfg, optimizer, units
+        # outside the per-device program XLA places the optimizer math: Auto axes let it
+        # propagate the parameters' shardings whatever the user's mesh says
+        self.mesh = jax.sharding.Mesh(
+            cfg.mesh.devices, cfg.mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(cfg.mesh.axis_names)
+        )
+        tp = cfg.tp
+        if cfg.plan is not None and tp > 1:
+            cfg.plan.check(model, tp)
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        _refuse_mutable_state(self.rest)
+        self.template = params
+        pure = nnx.to_pure_dict(params)
+        flat, self.treedef = jax.tree_util.tree_flatten_with_path(pure)
+        paths = [tuple(getattr(k, "key", getattr(k, "idx", k)) for k in kp) for kp, _ in flat]
+        n_store = cfg._size(cfg.storage_axis) if cfg.storage_axis else 0
+        self.leaves = [self._leaf(path, x, n_store) for path, (_, x) in zip(paths, flat, strict=True)]
+
+        blocks = getattr(model, units.blocks, None)
+        if blocks is None or not hasattr(blocks, "__len__"):
+            raise ValueError(f"Parallel: the model has no list of blocks at attribute {units.blocks!r}")
+        self.n_blocks = len(blocks)
+        self.block_defs, self.block_rests, self.block_trees = [], [], []
+        for i in range(self.n_blocks):
+            g, p, r = nnx.split(blocks[i], nnx.Param, ...)
+            self.block_defs.append(g)
+            self.block_rests.append(r)
+            self.block_trees.append(jax.tree.structure(nnx.to_pure_dict(p)))
+        self.block_leaves = [
+            [k for k, leaf in enumerate(self.leaves) if leaf.path[:2] == (units.blocks, i)]
+            for i in range(self.n_blocks)
+        ]
+        outer = [k for k, leaf in enumerate(self.leaves) if leaf.path[0] != units.blocks]
+        n_data = int(np.prod([cfg._size(a) for a in cfg.data_axes]))
+        self.local_batch = local_batch_avals(
+            batch, n_data, "Parallel", f"the {n_data} devices of the data axes {cfg.data_axes}; change the batch size"
+        )
+        embed = lambda ws, b: self._embed_raw(ws, b, bound=False)
+        x_aval = jax.eval_shape(embed, self._avals(outer, whole=True), self.local_batch)
+        head = lambda ws, b: units.head_loss(self._outer_model(ws, False), jnp.zeros(x_aval.shape, x_aval.dtype), b)
+        read_by_embed = self._reads(embed, outer)
+        read_by_head = self._reads(head, outer)
+        self.embed_leaves = [k for k in outer if k in read_by_embed]
+        self.head_leaves = [k for k in outer if k in read_by_head or k not in read_by_embed]
+        self.tied = [k for k in self.embed_leaves if k in self.head_leaves]
+        self.state = self._init_state(pure)
+        self.step = jax.jit(self._step, donate_argnums=0)
+
+    # -- layout ----------------------------------------------------------------
+
+    def _leaf(self, path, x, n_store) -> _Leaf:
+        cfg = self.cfg
+        dim, groups = (None, 1)
+        if cfg.plan is not None and cfg.tp > 1:
+            dim, groups = cfg.plan.param_split(path, x.ndim)
+        local = tuple(s // cfg.tp if d == dim else s for d, s in enumerate(x.shape))
+        store = None
+        if n_store:  # the largest dimension of the tp piece that divides evenly
+            fits = [d for d in range(len(local)) if local[d] % n_store == 0]
+            store = max(fits, key=lambda d: (local[d], -d)) if fits else None
+        return _Leaf(path, tuple(x.shape), x.dtype, dim, groups, local, store)
+
+    def _spec(self, leaf: _Leaf) -> P:
+        cfg = self.cfg
+        dims: list = [None] * len(leaf.shape)
+        if leaf.tp_dim is not None:
+            dims[leaf.tp_dim] = cfg.tp_axis
+        if leaf.store_dim is not None:
+            axis = cfg.storage_axis
+            dims[leaf.store_dim] = axis if dims[leaf.store_dim] is None else (cfg.tp_axis, axis)
+        return P(*dims)
+
+    def _param_specs(self):
+        return self.treedef.unflatten([self._spec(leaf) for leaf in self.leaves])
+
+    def _sharding(self, spec):
+        return NamedSharding(self.mesh, spec)
+
+    def _avals(self, indices, whole: bool = False):
+        shape = (lambda leaf: leaf.shape) if whole else (lambda leaf: leaf.local)
+        return {k: jax.ShapeDtypeStruct(shape(self.leaves[k]), self.leaves[k].dtype) for k in indices}
+
+    # -- state -------------------------------------------------------------------
+
+    def _init_state(self, pure) -> TrainState:
+        tp = self.cfg.tp
+        shardings = jax.tree.map(self._sharding, self._param_specs(), is_leaf=lambda s: isinstance(s, P))
+
+        def store(pure):
+            xs = jax.tree.leaves(pure)
+            out = [to_storage(x, leaf.tp_dim, leaf.groups, tp) for x, leaf in zip(xs, self.leaves, strict=True)]
+            return self.treedef.unflatten(out)
+
+        params = jax.jit(store, out_shardings=shardings)(pure)
+        opt_state = jax.jit(self.optimizer.init)(params)
+        step = jax.device_put(jnp.zeros((), jnp.int32), self._sharding(P()))
+        self.state_shardings = TrainState(shardings, jax.tree.map(lambda x: x.sharding, opt_state), step.sharding)
+        return TrainState(params, opt_state, step)
+
+    def params(self, state: TrainState):
+        """The full parameters of `state` as the single-device model holds them (an `nnx.State`)."""
+        tp = self.cfg.tp
+        xs = jax.tree.leaves(state.params)
+        full = [
+            jax.device_put(from_storage(x, leaf.tp_dim, leaf.groups, tp), self._sharding(P()))
+            for x, leaf in zip(xs, self.leaves, strict=True)
+        ]
+        out = jax.tree.map(lambda x: x, self.template)
+        nnx.replace_by_pure_dict(out, self.treedef.unflatten(full))
+        return out
+
+    def model(self, state: TrainState) -> nnx.Module:
+        """An NNX model holding the parameters of `state`."""
+        return nnx.merge(self.graphdef, self.params(state), self.rest)
+
+    # -- units as functions of their local parameter pieces ----------------------------
+
+    def _binding(self) -> Binding:
+        cfg = self.cfg
+        return Binding(cfg.tp_axis, cfg.tp, cfg.backend, cfg.sequence_parallel)
+
+    def _bound(self, module, prefix=()):
+        if self.cfg.plan is not None and self.cfg.tp > 1:
+            bind(module, self.cfg.plan, self._binding(), prefix)
+        return module
+
+    def _seq_local(self, ws: dict) -> dict:
+        """Under sequence parallelism a replicated parameter acts on this rank's chunk of the
+        sequence, so its gradient is partial: sum it over tp in backward."""
+        if not self.cfg.sequence_parallel:
+            return ws
+        cfg = self.cfg
+        return {
+            k: tp_math.copy_to_tp(w, cfg.tp_axis, cfg.backend) if self.leaves[k].tp_dim is None else w
+            for k, w in ws.items()
+        }
+
+    def _outer_model(self, ws: dict, bound: bool = True):
+        """The model holding the given outer pieces and zeros elsewhere (never read; XLA drops them).
+        `bound=False` (tracing outside the mesh, for shapes and reads) takes whole parameters and
+        leaves the layers unbound: the model as on one device."""
+        shape = (lambda leaf: leaf.local) if bound else (lambda leaf: leaf.shape)
+        xs = [ws[k] if k in ws else jnp.zeros(shape(leaf), leaf.dtype) for k, leaf in enumerate(self.leaves)]
+        model = nnx.merge(self.graphdef, self.treedef.unflatten(xs), self.rest)
+        return self._bound(model) if bound else model
+
+    def _embed_raw(self, ws, batch, bound: bool = True):
+        return self.units.embed(self._outer_model(ws, bound), batch)
+
+    def _embed(self, ws, batch):
+        x = self._embed_raw(ws, batch)
+        if self.cfg.sequence_parallel:
+            x = tp_math.split_sequence(x, self.cfg.tp_axis, self.cfg.backend)
+        return x
+
+    def _head(self, ws, x, batch):
+        return self.units.head_loss(self._outer_model(self._seq_local(ws)), x, batch)
+
+    def _block(self, i: int, ws: dict, x):
+        ws = self._seq_local(ws)
+        pure = self.block_trees[i].unflatten([ws[k] for k in self.block_leaves[i]])
+        block = nnx.merge(self.block_defs[i], pure, self.block_rests[i])
+        return self._bound(block, (self.units.blocks, i))(x)
+
+    def _reads(self, fn, indices) -> set[int]:
+        """The leaves among `indices` that `fn(pieces, batch)` reads."""
+        jaxpr = jax.make_jaxpr(fn)(self._avals(indices, whole=True), self.local_batch).jaxpr
+        used = {v for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, jax.extend.core.Var)}
+        used |= {v for v in jaxpr.outvars if isinstance(v, jax.extend.core.Var)}
+        order = sorted(indices)  # dict pytrees flatten in key order
+        return {k for k, v in zip(order, jaxpr.invars[: len(order)], strict=True) if v in used}
+
+    # -- communication of a unit's pieces -------------------------------------------------
+
+    def _ops(self) -> tuple[AsyncOp, AsyncOp]:
+        cfg = self.cfg
+        axis = cfg.storage_axis
+        others = tuple(a for a in cfg.data_axes if a != axis)
+
+        def gather_start(ws: dict, tok):
+            sharded = [k for k in sorted(ws) if self.leaves[k].store_dim is not None]
+            if not sharded:
+                return (None, ws), tok
+            flat = jnp.concatenate([ws[k].reshape(-1) for k in sharded])
+            h, tok = comm.all_gather_start(flat, axis, tok, tiled=False, backend=cfg.backend)
+            return (h, ws), tok
+
+        def gather_wait(handle, tok):
+            h, ws = handle
+            if h is None:
+                return ws, tok
+            stacked, tok = comm.wait(h, tok)  # (n, S): every storage rank's pieces
+            out, offset = dict(ws), 0
+            for k in sorted(ws):
+                leaf = self.leaves[k]
+                if leaf.store_dim is None:
+                    continue
+                size = ws[k].size
+                part = stacked[:, offset : offset + size].reshape(stacked.shape[0], *ws[k].shape)
+                out[k] = jnp.concatenate(list(part), axis=leaf.store_dim) if stacked.shape[0] > 1 else part[0]
+                offset += size
+            return out, tok
+
+        def reduce_start(gs: dict, tok):
+            n = cfg._size(axis) if axis else 1
+            sharded = [k for k in sorted(gs) if self.leaves[k].store_dim is not None]
+            rest = [k for k in sorted(gs) if self.leaves[k].store_dim is None]
+            handles = [None, None]
+            if sharded:
+                chunks = []
+                for k in sharded:
+                    g, d = gs[k], self.leaves[k].store_dim
+                    g = g.reshape(*g.shape[:d], n, g.shape[d] // n, *g.shape[d + 1 :])
+                    chunks.append(jnp.moveaxis(g, d, 0).reshape(n, -1))
+                packed = jnp.concatenate(chunks, axis=1)
+                handles[0], tok = comm.reduce_scatter_start(packed, axis, tok, op="mean", backend=cfg.backend)
+            if rest and (axis or others):
+                flat = jnp.concatenate([gs[k].reshape(-1) for k in rest])
+                over = (axis, *others) if axis else others
+                over = over[0] if len(over) == 1 else over
+                handles[1], tok = comm.all_reduce_start(flat, over, tok, op="mean", backend=cfg.backend)
+            return (handles, gs), tok
+
+        def reduce_wait(handle, tok):
+            (scattered, reduced), gs = handle
+            out = dict(gs)
+            if scattered is not None:
+                flat, tok = comm.wait(scattered, tok)
+                flat = flat.reshape(-1)
+                if others:
+                    flat, tok = comm.all_reduce(flat, _axes(others), tok, op="mean", backend=cfg.backend)
+                offset = 0
+                for k in sorted(gs):
+                    leaf = self.leaves[k]
+                    if leaf.store_dim is None:
+                        continue
+                    shape = list(gs[k].shape)
+                    shape[leaf.store_dim] //= cfg._size(axis)
+                    size = int(np.prod(shape))
+                    out[k] = flat[offset : offset + size].reshape(shape)
+                    offset += size
+            if reduced is not None:
+                flat, tok = comm.wait(reduced, tok)
+                offset = 0
+                for k in sorted(gs):
+                    if self.leaves[k].store_dim is None:
+                        out[k] = flat[offset : offset + gs[k].size].reshape(gs[k].shape)
+                        offset += gs[k].size
+            return out, tok
+
+        return (
+            AsyncOp(gather_start, gather_wait, "engine.gather"),
+            AsyncOp(reduce_start, reduce_wait, "engine.reduce"),
+        )
+
+    # -- the step -------------------------------------------------------------------------
+
+    def _step(self, state: TrainState, batch):
+        cfg = self.cfg
+        batch_spec = P(_axes(cfg.data_axes)) if cfg.data_axes else P()
+        batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self._sharding(batch_spec)), batch)
+        specs = self._param_specs()
+        metrics_spec = {"loss": P()}
+        if cfg.record_weights:
+            metrics_spec["weights_used"] = P()
+        body = jax.shard_map(
+            self._local_grads,
+            mesh=self.mesh,
+            in_specs=(specs, batch_spec),
+            out_specs=(specs, metrics_spec),
+            check_vma=False,
+        )
+        grads, metrics = body(state.params, batch)
+        norm = optax.global_norm(grads)
+        if cfg.max_grad_norm is not None:
+            scale = jnp.minimum(1.0, cfg.max_grad_norm / (norm + 1e-6))
+            grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        skipped = jnp.zeros((), jnp.bool_)
+        if cfg.skip_nonfinite:
+            skipped = ~jnp.isfinite(norm)
+            keep = lambda new, old: jnp.where(skipped, old, new)
+            params, opt_state = jax.tree.map(keep, (params, opt_state), (state.params, state.opt_state))
+        params = jax.lax.with_sharding_constraint(params, self.state_shardings.params)
+        new = TrainState(params, opt_state, state.step + 1)
+        return new, {**metrics, "grad_norm": norm, "skipped": skipped}
+
+    def _local_grads(self, params, batch):
+        cfg = self.cfg
+        gather, reduce = self._ops()
+        kept = AsyncOp(lambda w, tok: ((w,), tok), lambda h, tok: (h[0], tok), "engine.kept")
+        pieces = dict(enumerate(jax.tree.leaves(params)))
+        unit = lambda ks: {k: pieces[k] for k in ks}
+        tok = comm.token()
+
+        # forward: the embedding, then block i+1 gathered while block i computes
+        embed_w, tok = _fetch(gather, unit(self.embed_leaves), tok)
+        x0, embed_vjp = jax.vjp(lambda w: self._embed(w, batch), embed_w)
+        saved_x, saved_w, used = [], [], []
+
+        def block_fn(i):
+            fn = lambda w, x: self._block(i, w, x)
+            return jax.checkpoint(fn) if cfg.remat else fn
+
+        def forward(i, w, x):
+            saved_x.append(x)
+            saved_w.append(w)  # dropped by XLA when backward gathers again
+            if cfg.record_weights:
+                used.append(self._weight_sum(w))
+            return block_fn(i)(w, x), None, None
+
+        xl, tok, _, _ = pipelined_loop(
+            forward,
+            x0,
+            self.n_blocks,
+            tok,
+            fetch=gather,
+            fetch_input=lambda i, _: unit(self.block_leaves[i]),
+            unroll=True,
+        )
+        head_w, tok = _fetch(gather, unit(self.head_leaves), tok)
+        loss, head_vjp = jax.vjp(lambda w, x: self._head(w, x, batch), head_w, xl)
+        d_head, dx = head_vjp(jnp.ones_like(loss))
+        tied = {k: d_head.pop(k) for k in self.tied}
+        head_handle, tok = reduce.start(d_head, tok) if d_head else (None, tok)
+
+        # backward: block i-1 fetched and block i+1's gradients reduced while block i computes
+        def backward(i, w, dx):
+            _, vjp = jax.vjp(block_fn(i), w, saved_x[i])
+            dw, dx_in = vjp(dx)
+            return dx_in, dw, None
+
+        def finish(i, g, acc, tok):
+            return {**acc, **g}, tok
+
+        fetch = gather if cfg.regather else kept
+        fetch_input = (lambda i, _: unit(self.block_leaves[i])) if cfg.regather else (lambda i, _: saved_w[i])
+        dx0, tok, grads, _ = pipelined_loop(
+            backward,
+            dx,
+            self.n_blocks,
+            tok,
+            fetch=fetch,
+            fetch_input=fetch_input,
+            emit=reduce,
+            finish=finish,
+            acc={},
+            reverse=True,
+            unroll=True,
+        )
+        (d_embed,) = embed_vjp(dx0)
+        d_embed = {k: g + tied[k] if k in tied else g for k, g in d_embed.items()}
+        g_embed, tok = _fetch(reduce, d_embed, tok)
+        grads = {**grads, **g_embed}
+        if head_handle is not None:
+            g_head, tok = reduce.wait(head_handle, tok)
+            grads.update(g_head)
+        if cfg.data_axes:
+            loss, tok = comm.all_reduce(loss, _axes(cfg.data_axes), tok, op="mean", backend=cfg.backend)
+        metrics = {"loss": loss}
+        if cfg.record_weights:
+            stacked = jnp.stack(used)
+            if cfg.tp > 1:
+                stacked, tok = comm.all_reduce(stacked, cfg.tp_axis, tok, op="sum", backend=cfg.backend)
+            metrics["weights_used"] = stacked
+        out = [grads[k].astype(self.leaves[k].dtype) for k in range(len(self.leaves))]
+        return self.treedef.unflatten(out), metrics
+
+    def _weight_sum(self, ws: dict):
+        """Sum of a unit's gathered weights, replicated pieces counted once over tp."""
+        tp = self.cfg.tp
+        return sum(jnp.sum(w.astype(jnp.float32)) / (tp if self.leaves[k].tp_dim is None else 1) for k, w in ws.items())
+
+
+def _fetch(op: AsyncOp, value, tok):
+    h, tok = op.start(value, tok)
+    return op.wait(h, tok)
+
+
+def _axes(axes: tuple[str, ...]):
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _refuse_mutable_state(rest) -> None:
+    """Variables other than parameters that a forward would update (RNG counters, batch statistics)."""
+    kinds = {type(v).__name__ for _, v in rest.flat_state()}
+    mutable = sorted(k for k in kinds if k in ("RngCount", "RngKey", "BatchStat"))
+    if mutable:
+        raise ValueError(
+            f"Parallel: the model holds {mutable} variables (Dropout / BatchNorm state), which this strategy "
+            "does not carry yet; use DDP or FSDP for such models"
+        )

@@ -1,0 +1,304 @@
+"""Tensor-parallel plans: which of a model's layers split over the `tp` axis, and how, as data.
+
+A plan maps module paths of an NNX model (patterns such as ``"blocks/*/fc"``,
+one ``*`` per path component) to a placement, in the manner of torchtitan's
+``parallelize_module`` plans:
+
+* ``column()``: an ``nnx.Linear``-like layer whose output features split over
+  ``tp`` (kernel and bias along their last dimension). ``groups=k`` splits
+  each of ``k`` equal parts of the output (a fused q/k/v projection), and
+  ``gather_output=True`` all-gathers the output (a head whose logits the
+  model's own loss reads whole).
+* ``row()``: input features split (kernel along its first dimension); the
+  partial products are summed over ``tp`` before the (replicated) bias.
+* ``vocab()``: an ``nnx.Embed`` whose table rows (the vocabulary) split; its
+  lookup sums over ``tp`` and its ``attend`` (a tied head) is column parallel.
+* everything not matched is replicated.
+
+``divide`` names static attributes to divide by the tp size in matched
+modules (``{"blocks/*": ("n_heads",)}``): the model's own code then runs on
+one rank's heads, so its reshapes must derive sizes from that attribute or
+from the arrays, never from a global width.
+
+Nothing here copies a model's forward: `bind` re-types the matched layers of
+a rank's local model so that their own ``__call__`` runs between the
+plan's collectives. Splitting and joining parameters derive from the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxdist import tp as tp_math
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How one layer splits over `tp`: `kind` is "column", "row", "vocab" or "replicated"."""
+
+    kind: str
+    groups: int = 1
+    gather_output: bool = False
+
+    def __post_init__(self):
+        if self.kind not in ("column", "row", "vocab", "replicated"):
+            raise ValueError(f"Placement kind must be column, row, vocab or replicated, got {self.kind!r}")
+        if not isinstance(self.groups, int) or self.groups < 1:
+            raise ValueError(f"Placement groups must be an int >= 1, got {self.groups!r}")
+
+    def split_dim(self, param: str, ndim: int) -> int | None:
+        """The dimension of parameter `param` (a name such as "kernel") split over tp, or None."""
+        if self.kind == "column" and param in ("kernel", "bias"):
+            return ndim - 1
+        if self.kind == "row" and param == "kernel":
+            return 0
+        if self.kind == "vocab" and param == "embedding":
+            return 0
+        return None
+
+
+def column(groups: int = 1, gather_output: bool = False) -> Placement:
+    """Output features split over tp (Megatron's column-parallel linear)."""
+    return Placement("column", groups, gather_output)
+
+
+def row() -> Placement:
+    """Input features split over tp, partial products summed (Megatron's row-parallel linear)."""
+    return Placement("row")
+
+
+def vocab() -> Placement:
+    """Embedding rows split over tp (vocabulary-parallel embedding; `attend` column parallel)."""
+    return Placement("vocab")
+
+
+def replicated() -> Placement:
+    return Placement("replicated")
+
+
+def _matches(pattern: str, path: tuple) -> bool:
+    parts = pattern.strip("/").split("/")
+    return len(parts) == len(path) and all(fnmatch.fnmatchcase(str(p), q) for p, q in zip(path, parts, strict=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class TPPlan:
+    """Module path patterns -> placements, and static attributes divided by the tp size."""
+
+    layers: Mapping[str, Placement]
+    divide: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    def placement(self, module_path: tuple) -> Placement | None:
+        hits = [p for pattern, p in self.layers.items() if _matches(pattern, module_path)]
+        if len(hits) > 1:
+            raise ValueError(f"TPPlan: module {'/'.join(map(str, module_path))} matches more than one rule")
+        return hits[0] if hits else None
+
+    def divided(self, module_path: tuple) -> tuple[str, ...]:
+        return tuple(a for pattern, attrs in self.divide.items() if _matches(pattern, module_path) for a in attrs)
+
+    def param_split(self, param_path: tuple, ndim: int) -> tuple[int | None, int]:
+        """(split dim or None, groups) of the parameter at `param_path` (module path + name)."""
+        placement = self.placement(param_path[:-1])
+        if placement is None:
+            return None, 1
+        return placement.split_dim(str(param_path[-1]), ndim), placement.groups
+
+    def check(self, model: nnx.Module, size: int) -> None:
+        """Raise if a rule matches nothing, a matched module cannot take its placement, or a size
+        does not divide by `size`."""
+        used = set()
+        for path, module in nnx.iter_graph(model):
+            if not isinstance(module, nnx.Module):
+                continue
+            placement = self.placement(path)
+            if placement is not None:
+                used.update(p for p in self.layers if _matches(p, path))
+                _check_module(path, module, placement, size)
+            for attr in self.divided(path):
+                value = getattr(module, attr, None)
+                if not isinstance(value, int) or value % size:
+                    raise ValueError(
+                        f"TPPlan: {'/'.join(map(str, path))}.{attr}={value!r} must be an int divisible by tp={size}"
+                    )
+        unused = sorted(set(self.layers) - used)
+        if unused:
+            raise ValueError(f"TPPlan: rules {unused} match no module of the model; check the paths")
+
+
+def _check_module(path, module, placement: Placement, size: int) -> None:
+    where = "/".join(map(str, path))
+    if placement.kind in ("column", "row"):
+        if not isinstance(getattr(module, "kernel", None), nnx.Param):
+            raise ValueError(f"TPPlan: {where} is {placement.kind} parallel but has no `kernel` parameter")
+        kernel = module.kernel[...]
+        dim = kernel.ndim - 1 if placement.kind == "column" else 0
+        if kernel.shape[dim] % (size * placement.groups):
+            raise ValueError(
+                f"TPPlan: {where}: kernel dimension {dim} of size {kernel.shape[dim]} must divide by "
+                f"tp x groups = {size} x {placement.groups}"
+            )
+    elif placement.kind == "vocab":
+        if not isinstance(module, nnx.Embed):
+            raise ValueError(f"TPPlan: {where} is vocab parallel but is a {type(module).__name__}, not an nnx.Embed")
+        if module.num_embeddings % size:
+            raise ValueError(f"TPPlan: {where}: vocabulary {module.num_embeddings} must divide by tp={size}")
+
+
+# -- storage: each rank's piece contiguous ---------------------------------------------
+
+
+def to_storage(x, dim: int | None, groups: int, size: int):
+    """Reorder `x` along `dim` so that tp rank r's piece is the r-th contiguous chunk (a no-op
+    unless `groups > 1`, where rank r holds the r-th part of every group)."""
+    if dim is None or groups == 1:
+        return x
+    shape = x.shape
+    n = shape[dim]
+    y = x.reshape(*shape[:dim], groups, size, n // (groups * size), *shape[dim + 1 :])
+    y = jnp.swapaxes(y, dim, dim + 1)
+    return y.reshape(shape)
+
+
+def from_storage(x, dim: int | None, groups: int, size: int):
+    """The inverse of `to_storage`."""
+    if dim is None or groups == 1:
+        return x
+    shape = x.shape
+    n = shape[dim]
+    y = x.reshape(*shape[:dim], size, groups, n // (groups * size), *shape[dim + 1 :])
+    y = jnp.swapaxes(y, dim, dim + 1)
+    return y.reshape(shape)
+
+
+def split(x, dim: int | None, groups: int, rank: int, size: int):
+    """Rank `rank`'s piece of the full parameter `x` (for tests and conversions)."""
+    if dim is None:
+        return x
+    x = np.asarray(to_storage(jnp.asarray(x), dim, groups, size))
+    n = x.shape[dim] // size
+    return np.take(x, np.arange(rank * n, (rank + 1) * n), axis=dim)
+
+
+# -- binding: the model's own layers between the plan's collectives -----------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+    """What `bind` needs to know about the run: the tp axis, its size, the comm backend and
+    whether activations between layers are split along the sequence (sequence parallelism)."""
+
+    axis: str
+    size: int
+    backend: str | None = None
+    sequence_parallel: bool = False
+
+    def enter(self, x):
+        """Into a column-parallel layer: the whole sequence; backward sums over tp."""
+        if self.sequence_parallel:
+            return tp_math.gather_sequence(x, self.axis, self.backend)
+        return tp_math.copy_to_tp(x, self.axis, self.backend)
+
+    def leave(self, partial):
+        """Out of a row-parallel layer: summed over tp (reduce-scattered along the sequence)."""
+        if self.sequence_parallel:
+            return tp_math.scatter_sequence(partial, self.axis, self.backend)
+        return tp_math.reduce_from_tp(partial, self.axis, self.backend)
+
+
+class _NoBias:
+    """A view of a linear layer without its bias, so the layer's own `__call__` computes x @ W."""
+
+    def __init__(self, module):
+        object.__setattr__(self, "_module", module)
+
+    def __getattr__(self, name):
+        if name == "bias":
+            return None
+        if name == "use_bias":
+            return False
+        return getattr(self._module, name)
+
+
+def _column_call(self, x, *args, **kwargs):
+    b: Binding = self._jaxdist_tp
+    y = type(self).__mro__[1].__call__(self, b.enter(x), *args, **kwargs)
+    return gather_features(y, b.axis, b.backend) if self._jaxdist_gather else y
+
+
+def _row_call(self, x, *args, **kwargs):
+    b: Binding = self._jaxdist_tp
+    y = b.leave(type(self).__mro__[1].__call__(_NoBias(self), x, *args, **kwargs))
+    bias = getattr(self, "bias", None)
+    if bias is None:
+        return y
+    return y + jnp.reshape(bias[...], (1,) * (y.ndim - 1) + (-1,)).astype(y.dtype)
+
+
+def _vocab_call(self, tokens, *args, **kwargs):
+    b: Binding = self._jaxdist_tp
+    (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
+    return tp_math.vocab_parallel_embed(tokens, table, b.axis, backend=b.backend)
+
+
+def _vocab_attend(self, query, *args, **kwargs):
+    b: Binding = self._jaxdist_tp
+    logits = type(self).__mro__[1].attend(self, b.enter(query), *args, **kwargs)
+    return gather_features(logits, b.axis, b.backend)
+
+
+@functools.cache
+def _bound_class(cls: type, kind: str) -> type:
+    members = {"column": {"__call__": _column_call}, "row": {"__call__": _row_call}}.get(kind)
+    if kind == "vocab":
+        members = {"__call__": _vocab_call, "attend": _vocab_attend}
+    return type(f"TP{kind.capitalize()}{cls.__name__}", (cls,), members)
+
+
+def bind(module: nnx.Module, plan: TPPlan, binding: Binding, prefix: tuple = ()) -> None:
+    """Make the layers of a rank's local `module` (whose parameters are this rank's pieces) run
+    tensor parallel: matched layers get the plan's collectives around their own `__call__`, and
+    the plan's divided attributes are divided. `prefix` is `module`'s path in the whole model."""
+    for path, sub in list(nnx.iter_graph(module)):
+        if not isinstance(sub, nnx.Module):
+            continue
+        full = (*prefix, *path)
+        for attr in plan.divided(full):
+            object.__setattr__(sub, attr, getattr(sub, attr) // binding.size)
+        placement = plan.placement(full)
+        if placement is None or placement.kind == "replicated":
+            continue
+        object.__setattr__(sub, "_jaxdist_tp", binding)
+        object.__setattr__(sub, "_jaxdist_gather", placement.gather_output)
+        sub.__class__ = _bound_class(type(sub), placement.kind)
+
+
+def _gather_last(x, axis, backend):
+    from jaxdist import comm
+
+    return comm.all_gather(x, axis, comm.token("tp"), axis=x.ndim - 1, backend=backend)[0]
+
+
+def _local_last(g, axis):
+    n = g.shape[-1] // jax.lax.psum(1, axis)
+    return jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(axis) * n, n, axis=g.ndim - 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def gather_features(x, axis: str, backend: str | None = None):
+    """All-gather the last dimension over `axis` in forward; in backward every rank holds the
+    whole (identical) gradient, so each keeps its own slice (Megatron's gather_output)."""
+    return _gather_last(x, axis, backend)
+
+
+gather_features.defvjp(
+    lambda x, axis, backend: (_gather_last(x, axis, backend), None), lambda axis, backend, _, g: (_local_last(g, axis),)
+)

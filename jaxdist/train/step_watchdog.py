@@ -1,0 +1,126 @@
+"""A deadline per training step, kept on the host: hangs become errors on every backend.
+
+The loop calls `beat(step)` as each step begins (or wraps a step in `with
+guard.step(step):`). A thread fires when a step runs past `timeout_s`: it writes
+the Python stack of every thread (faulthandler), the step and the last metrics
+to `jaxdist-step-watchdog-p<process>-pid<pid>.txt` in `out_dir`, prints one
+line naming the step and the file, and ends the process with status 3. Ending
+the process is the only way out: the main thread is blocked where no exception
+reaches it (a collective waiting for a peer that never comes), and each rank's
+own guard fires, so no rank waits for another to notice.
+
+The nccl backend has a finer watchdog of its own (jaxdist.comm.watchdog) that
+names the op and the missing rank; this one covers the xla backend and
+anything else a step can hang in (data loading, host callbacks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from jaxdist.comm import watchdog
+
+EXIT_CODE = 3
+TIMEOUT_ENV = "JAXDIST_STEP_TIMEOUT_S"
+
+
+class StepWatchdog:
+    """Ends the process, with stacks on file, when one step takes longer than `timeout_s` (0: never)."""
+
+    def __init__(
+        self,
+        timeout_s: float,
+        out_dir: str | Path = ".",
+        *,
+        process_index: int = 0,
+        exit_fn: Callable[[int], object] = os._exit,  # tests pass a recorder instead
+    ):
+        if timeout_s < 0:
+            raise ValueError(f"step timeout must be >= 0 seconds (0 turns it off), got {timeout_s}")
+        self.timeout_s = float(timeout_s)
+        self.path = Path(out_dir) / f"jaxdist-step-watchdog-p{process_index}-pid{os.getpid()}.txt"
+        self._cond = threading.Condition()
+        self._step: int | None = None
+        self._deadline: float | None = None
+        self._metrics: dict = {}
+        self._closed = False
+        self._exit = exit_fn
+        self._thread = None
+        if self.timeout_s > 0:
+            self._thread = threading.Thread(target=self._watch, name="jaxdist-step-watchdog", daemon=True)
+            self._thread.start()
+
+    def beat(self, step: int) -> None:
+        """Step `step` begins now: its deadline is `timeout_s` from here."""
+        watchdog.set_step(step)  # the nccl flight recorder notes the step with every op
+        with self._cond:
+            self._step, self._deadline = step, time.monotonic() + self.timeout_s
+            self._cond.notify()
+
+    def pause(self) -> None:
+        """No step runs now (e.g. between steps of a loop with long host work)."""
+        with self._cond:
+            self._deadline = None
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        self.beat(step)
+        try:
+            yield
+        finally:
+            self.pause()
+
+    def record(self, metrics: dict) -> None:
+        """The last metrics, for the report if a later step hangs."""
+        with self._cond:
+            self._metrics = dict(metrics)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def __enter__(self) -> StepWatchdog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _watch(self) -> None:
+        with self._cond:
+            while not self._closed:
+                if self._deadline is None:
+                    self._cond.wait()
+                elif (left := self._deadline - time.monotonic()) > 0:
+                    self._cond.wait(left)
+                else:
+                    self._deadline = None
+                    self._fire(self._step, self._metrics)
+
+    def _fire(self, step: int | None, metrics: dict) -> None:
+        message = (
+            f"jaxdist: step {step} did not finish within {self.timeout_s:g} s (run.step_timeout_s / "
+            f"${TIMEOUT_ENV}); every thread's stack, the step and the last metrics are in {self.path}"
+        )
+        try:
+            with open(self.path, "w") as f:
+                f.write(f"{message}\nstep: {step}\nlast metrics: {json.dumps(metrics, default=str)}\n\n")
+                f.flush()
+                faulthandler.dump_traceback(f, all_threads=True)
+        except OSError as e:
+            message += f" (could not write it: {e})"
+        print(message, file=sys.stderr, flush=True)
+        self._exit(EXIT_CODE)
+
+
+def timeout_from(configured: float) -> float:
+    """The step deadline: $JAXDIST_STEP_TIMEOUT_S if set, else the configured one."""
+    return float(os.environ.get(TIMEOUT_ENV) or configured)

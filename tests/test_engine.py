@@ -1,0 +1,304 @@
+"""The unit engine (DP x FSDP x TP through a plan) against a single-device optax run.
+
+Every run is compared with `reference` below: the unmodified model, one
+value_and_grad over the whole global batch, the same optax transformation on
+the model's parameter tree (a pure dict), float32. Tolerances as in
+tests/test_ddp.py (losses rtol 5e-6; parameters atol 1e-4 per element and 5e-7
+on average): the engine takes means of per-device means and sums partial
+products over tp, which differ from the reference by float32 rounding only.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hlo_schedule import entry_schedule, positions
+from meshes import cpu_mesh
+from test_ddp import LOSS_RTOL, assert_params_close
+
+from jaxdist import tp_plan
+from jaxdist.engine import Parallel, Units
+from jaxdist.train.gpt import GPT, UNITS, GPTConfig, next_token_loss, tp_plan_for
+
+STEPS = 5
+GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+
+
+def gpt_batches(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"tokens": rng.integers(0, 64, (16, 17)).astype(np.int32)} for _ in range(n)]
+
+
+def reference(make_model, loss_fn, batches, optimizer):
+    """Single device: the model's own loss over the global batch, optax on the pure parameter dict."""
+    graphdef, params, rest = nnx.split(make_model(), nnx.Param, ...)
+    pure = nnx.to_pure_dict(params)
+    opt_state = optimizer.init(pure)
+
+    @jax.jit
+    def step(p, s, batch):
+        loss, g = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), batch))(p)
+        updates, s = optimizer.update(g, s, p)
+        return optax.apply_updates(p, updates), s, loss, optax.global_norm(g)
+
+    losses, norms = [], []
+    for batch in batches:
+        pure, opt_state, loss, norm = step(pure, opt_state, batch)
+        losses.append(float(loss))
+        norms.append(float(norm))
+    return losses, pure, norms
+
+
+def engine_run(strategy: Parallel, make_model, units, batches, optimizer):
+    run = strategy.prepare(make_model(), optimizer, units, batches[0])
+    state, losses, metrics = run.state, [], []
+    for batch in batches:
+        state, m = run.step(state, batch)
+        losses.append(float(m["loss"]))
+        metrics.append(m)
+    return losses, nnx.to_pure_dict(run.params(state)), run, state, metrics
+
+
+# -- the GPT on every mesh shape -----------------------------------------------------------
+
+MESHES = {
+    "dp2xfsdp2xtp2": ((2, 2, 2), ("dp", "fsdp", "tp")),
+    "fsdp2xtp4": ((2, 4), ("fsdp", "tp")),
+    "dp4xtp2": ((4, 2), ("dp", "tp")),
+}
+
+
+@pytest.fixture(scope="module")
+def gpt_reference():
+    out = {}
+    for tie in (False, True):
+        cfg = dataclasses.replace(GPT_CFG, tie_embeddings=tie)
+        out[tie] = reference(lambda cfg=cfg: GPT(cfg, nnx.Rngs(0)), next_token_loss, gpt_batches(STEPS), adamw())
+    return out
+
+
+def adamw():
+    return optax.adamw(1e-3, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("seqpar", [False, True], ids=["", "seqpar"])
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_gpt_matches_single_device(gpt_reference, mesh_name, seqpar):
+    shape, names = MESHES[mesh_name]
+    tie = mesh_name == "dp4xtp2"  # the tied head (vocab-parallel attend) on one mesh
+    cfg = dataclasses.replace(GPT_CFG, tie_embeddings=tie)
+    strategy = Parallel(cpu_mesh(shape, names), plan=tp_plan_for(cfg), sequence_parallel=seqpar)
+    losses, params, *_ = engine_run(strategy, lambda: GPT(cfg, nnx.Rngs(0)), UNITS, gpt_batches(STEPS), adamw())
+    ref_losses, ref_params, _ = gpt_reference[tie]
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    assert_params_close(params, ref_params)
+
+
+# -- a model that is not the GPT, with its own plan and any optax chain ------------------------
+
+
+class ResBlock(nnx.Module):
+    def __init__(self, d: int, f: int, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.up = nnx.Linear(d, f, rngs=rngs)
+        self.down = nnx.Linear(f, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.relu(self.up(self.norm(x))))
+
+
+class ResMLP(nnx.Module):
+    """Odd input and output widths: some parameters cannot be split over the data axes."""
+
+    def __init__(self, rngs: nnx.Rngs, d_in: int = 5, d: int = 16, f: int = 24, d_out: int = 6, layers: int = 3):
+        self.inp = nnx.Linear(d_in, d, rngs=rngs)
+        self.layers = nnx.List([ResBlock(d, f, rngs) for _ in range(layers)])
+        self.out = nnx.Linear(d, d_out, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+MLP_PLAN = tp_plan.TPPlan(
+    {"layers/*/up": tp_plan.column(), "layers/*/down": tp_plan.row(), "out": tp_plan.column(gather_output=True)}
+)
+MLP_UNITS = Units(
+    embed=lambda m, b: m.inp(b["x"]),
+    head_loss=lambda m, x, b: jnp.mean((m.out(x) - b["y"]) ** 2),
+    blocks="layers",
+)
+
+
+def mlp_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def mlp_batches(n, seed=1):
+    rng = np.random.default_rng(seed)
+    return [
+        {"x": rng.normal(size=(16, 5)).astype(np.float32), "y": rng.normal(size=(16, 6)).astype(np.float32)}
+        for _ in range(n)
+    ]
+
+
+def path_optimizer(max_norm: float):
+    """Global-norm clipping, then SGD for the blocks and AdamW with weight decay on kernels only."""
+    is_kernel = lambda p: jax.tree_util.tree_map_with_path(lambda path, _: "kernel" in str(path[-1]), p)
+    label = lambda p: jax.tree_util.tree_map_with_path(lambda path, _: "sgd" if "layers" in str(path) else "adam", p)
+    adam = optax.chain(
+        optax.scale_by_adam(), optax.masked(optax.add_decayed_weights(0.1), is_kernel), optax.scale(-1e-2)
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(max_norm), optax.multi_transform({"sgd": optax.sgd(0.1), "adam": adam}, label)
+    )
+
+
+@pytest.fixture(scope="module")
+def mlp_reference():
+    return reference(lambda: ResMLP(nnx.Rngs(0)), mlp_loss, mlp_batches(STEPS), path_optimizer(0.5))
+
+
+@pytest.mark.parametrize(
+    ("shape", "names", "zero1"),
+    [
+        ((8,), ("dp",), True),
+        ((8,), ("fsdp",), True),
+        ((4, 2), ("dp", "tp"), True),
+        ((2, 2, 2), ("dp", "fsdp", "tp"), True),
+        ((4, 2), ("dp", "tp"), False),
+    ],
+    ids=["zero1", "fsdp", "dp4xtp2", "dp2xfsdp2xtp2", "dp4xtp2-replicated"],
+)
+def test_any_optax_chain_is_exact_on_a_model_that_is_not_the_gpt(mlp_reference, shape, names, zero1):
+    """The optimizer sees the parameter tree: per-path transforms, masks and the global-norm clip
+    (active: 0.5 is below the gradient norm) give the single-device result, and grad_norm is the
+    single-device norm."""
+    strategy = Parallel(cpu_mesh(shape, names), plan=MLP_PLAN, zero1=zero1)
+    losses, params, _, _, metrics = engine_run(
+        strategy, lambda: ResMLP(nnx.Rngs(0)), MLP_UNITS, mlp_batches(STEPS), path_optimizer(0.5)
+    )
+    ref_losses, ref_params, ref_norms = mlp_reference
+    assert min(ref_norms) > 0.5  # the clip is active every step
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    np.testing.assert_allclose([float(m["grad_norm"]) for m in metrics], ref_norms, rtol=1e-5)
+    assert_params_close(params, ref_params)
+
+
+def test_sgd_step_and_grad_norm_are_exact_with_a_scale_sensitive_optimizer():
+    """SGD moves each parameter by lr x its gradient: a wrong gradient scale (a sum over ranks,
+    a tp double count) shows at once, unlike with Adam."""
+    data = mlp_batches(2)
+    _, ref_params, ref_norms = reference(lambda: ResMLP(nnx.Rngs(0)), mlp_loss, data, optax.sgd(0.5))
+    strategy = Parallel(cpu_mesh((2, 2, 2), ("dp", "fsdp", "tp")), plan=MLP_PLAN)
+    _, params, _, _, metrics = engine_run(strategy, lambda: ResMLP(nnx.Rngs(0)), MLP_UNITS, data, optax.sgd(0.5))
+    np.testing.assert_allclose([float(m["grad_norm"]) for m in metrics], ref_norms, rtol=1e-5)
+    assert_params_close(params, ref_params, atol=1e-5)
+
+
+def test_state_is_the_models_parameter_tree_sharded_over_the_mesh():
+    mesh = cpu_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
+    run = Parallel(mesh, plan=MLP_PLAN).prepare(ResMLP(nnx.Rngs(0)), optax.adam(1e-3), MLP_UNITS, mlp_batches(1)[0])
+    up = run.state.params["layers"][0]["up"]["kernel"]
+    assert up.shape == (16, 24)  # the model's own shape
+    assert up.sharding.shard_shape(up.shape) == (16, 6)  # columns over tp (2), then over fsdp (2)
+    mu = run.state.opt_state[0].mu["layers"][0]["up"]["kernel"]
+    assert mu.shape == (16, 24) and mu.sharding.shard_shape(mu.shape) == (16, 6)
+    bias = run.state.params["out"]["bias"]  # 6 columns: 3 per tp rank, which do not split over fsdp
+    assert bias.sharding.shard_shape(bias.shape) == (3,)
+
+
+# -- structure: published weights, remat, schedule, dtype ----------------------------------------
+
+
+def test_every_block_computes_with_this_steps_published_weights():
+    """Seed 000: a block that read its weights before this step's gather published them would
+    compute with last step's. The per-block sum of the weights used equals this step's state."""
+    mesh = cpu_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
+    cfg = tp_plan_for(GPT_CFG)
+    run = Parallel(mesh, plan=cfg, record_weights=True).prepare(
+        GPT(GPT_CFG, nnx.Rngs(0)), adamw(), UNITS, gpt_batches(1)[0]
+    )
+    state, previous = run.state, None
+    for batch in gpt_batches(3):
+        blocks = nnx.to_pure_dict(run.params(state))["blocks"]
+        published = [
+            sum(float(np.sum(np.asarray(x, np.float64))) for x in jax.tree.leaves(blocks[i])) for i in range(2)
+        ]
+        state, m = run.step(state, batch)
+        np.testing.assert_allclose(np.asarray(m["weights_used"]), published, rtol=1e-5)
+        if previous is not None:
+            assert np.all(np.abs(np.asarray(published) - previous) > 1e-6)
+        previous = np.asarray(published)
+
+
+def _gathers(text: str, size: int) -> int:
+    return sum(1 for line in text.splitlines() if " all-gather(" in line and f"[2,{size}]" in line)
+
+
+def test_remat_issues_no_second_gather():
+    mesh = cpu_mesh((2, 4), ("dp", "tp"))
+    counts = {}
+    for remat in (True, False):
+        run = Parallel(mesh, plan=tp_plan_for(GPT_CFG), remat=remat).prepare(
+            GPT(GPT_CFG, nnx.Rngs(0)), adamw(), UNITS, gpt_batches(1)[0]
+        )
+        text = run.step.lower(run.state, gpt_batches(1)[0]).compile().as_text()
+        counts[remat] = sum(1 for line in text.splitlines() if " all-gather(" in line and "f32[2," in line)
+    # embed, 2 blocks, head: one gather each, with or without remat
+    assert counts[True] == counts[False] == 4, counts
+
+
+def test_zero3_gathers_again_for_backward_and_ahead_of_use():
+    """Over fsdp each block is gathered for forward and again for backward, one block ahead:
+    blocks 0 and 1 are both gathered before block 0's first matmul (the carry holds one
+    in-flight unit), block 2 only after block 0 computed."""
+    mesh = cpu_mesh((8,), ("fsdp",))
+    cfg = dataclasses.replace(GPT_CFG, n_layers=3)
+    run = Parallel(mesh).prepare(GPT(cfg, nnx.Rngs(0)), adamw(), UNITS, gpt_batches(1)[0])
+    sched = entry_schedule(run.step.lower(run.state, gpt_batches(1)[0]).compile().as_text())
+    matmuls = positions(sched, "matmul")
+    block = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(GPT(cfg, nnx.Rngs(0)).blocks[0], nnx.Param)))
+    gathers = positions(sched, "all-gather", f"f32[8,{block // 8}]")
+    assert len(gathers) == 6  # 3 blocks, forward and backward
+    before = [sum(m < g for m in matmuls) for g in gathers[:3]]
+    assert before[0] == before[1] == 0 and before[2] > 0, before
+
+
+def test_tp_runs_the_models_own_forward_in_its_dtype():
+    """A bf16 GPT under TP computes its matmuls in bf16, as on one device (the model's own code runs)."""
+    cfg = dataclasses.replace(GPT_CFG, dtype=jnp.bfloat16)
+    run = Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=tp_plan_for(cfg)).prepare(
+        GPT(cfg, nnx.Rngs(0)), adamw(), UNITS, gpt_batches(1)[0]
+    )
+    text = run.step.lower(run.state, gpt_batches(1)[0]).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert dots and all("bf16" in line for line in dots), dots[:3]
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+def test_bad_plans_and_meshes_raise_clear_errors():
+    mesh = cpu_mesh((4, 2), ("dp", "tp"))
+    batch = gpt_batches(1)[0]
+    with pytest.raises(ValueError, match="pass plan=TPPlan"):
+        Parallel(mesh)
+    with pytest.raises(ValueError, match="match no module"):
+        bad = tp_plan.TPPlan({**MLP_PLAN.layers, "layers/*/gate": tp_plan.column()})
+        Parallel(mesh, plan=bad).prepare(ResMLP(nnx.Rngs(0)), optax.sgd(0.1), MLP_UNITS, mlp_batches(1)[0])
+    with pytest.raises(ValueError, match="n_heads=3 must be an int divisible by tp=2"):
+        cfg = dataclasses.replace(GPT_CFG, n_heads=3, d_model=48)
+        Parallel(mesh, plan=tp_plan_for(cfg)).prepare(GPT(cfg, nnx.Rngs(0)), adamw(), UNITS, batch)
+    with pytest.raises(ValueError, match="mesh axes \\['model'\\]"):
+        Parallel(cpu_mesh((8,), ("model",)))
+    with pytest.raises(ValueError, match="divisible by the 4 devices"):
+        Parallel(mesh, plan=tp_plan_for(GPT_CFG)).prepare(
+            GPT(GPT_CFG, nnx.Rngs(0)), adamw(), UNITS, {"tokens": np.zeros((6, 17), np.int32)}
+        )
