@@ -16,7 +16,8 @@ datasheet dense bf16 peak (989 TFLOP/s on H100 and H200); peak memory per GPU
 efficiency = tokens/s per GPU / that of the 1-GPU plain jit; speed vs
 `--baseline` = tokens/s per GPU / the baseline's; the loss after the last step
 (same data and init, so configurations on the same GPU count agree to bf16
-noise). Prints each row as it finishes and a table last, appended to
+noise); startup = building the model and the strategy, compiling, the first
+step. Prints each row as it finishes and a table last, appended to
 bench/RESULTS.md.
 
     python bench/strategies.py [--models 350m,1.3b] [--configs 1gpu,xla-fsdp,fsdp-nccl] [--steps 10]
@@ -211,7 +212,7 @@ def spawn(flavor: str, config: str, args) -> dict:
 def table(rows: list[tuple[str, str, dict]], baseline: str) -> str:
     """The results as a Markdown table (a failed configuration shows its error)."""
     head = ["model", "config", "GPUs", "ms/step", "tokens/s/GPU", "MFU", "peak GiB/GPU"]
-    head += ["weak scaling", f"vs {baseline}", "loss", "first step s", "note"]
+    head += ["weak scaling", f"vs {baseline}", "loss", "startup s", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     tps = {(f, c): r["tokens_per_gpu"] for f, c, r in rows if "error" not in r}
     for flavor, config, r in rows:
@@ -230,7 +231,7 @@ def table(rows: list[tuple[str, str, dict]], baseline: str) -> str:
             _ratio(r["tokens_per_gpu"], tps.get((flavor, "1gpu"))),
             _ratio(r["tokens_per_gpu"], tps.get((flavor, baseline))),
             f"{r['loss']:.4f}",
-            f"{r['first_step_s']:.0f}",
+            f"{r['setup_s'] + r['first_step_s']:.0f}",
             "",
         ]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
@@ -268,7 +269,7 @@ def main() -> None:
     n = max((r["gpus"] for r in done), default=0)
     device = f"{n} x {done[0]['device']}" if done else "unknown device"
     header = (
-        f"{device}, jax {jax.__version__}, {args.per_gpu_batch} x seq_len tokens per GPU, bf16 compute, float32 "
+        f"{device}, jax {jax.__version__}, {args.per_gpu_batch} sequences per GPU, bf16 compute, float32 "
         f"parameters, AdamW, median of {args.steps} steps; MFU on the datasheet dense bf16 peak"
     )
     out = header + "\n\n" + table(rows, args.baseline)
