@@ -138,6 +138,13 @@ CONFIGS = {  # name: (builder, comm backend)
 }
 
 
+def host_device() -> jax.Device:
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS without cpu: build on the first GPU instead
+        return jax.devices()[0]
+
+
 def measure(flavor: str, config: str, per_gpu_batch: int, steps: int) -> dict:
     """Build one configuration in this process, time its steps and read its peak memory."""
     builder, backend = CONFIGS[config]
@@ -153,7 +160,7 @@ def measure(flavor: str, config: str, per_gpu_batch: int, steps: int) -> dict:
 
     t0 = time.perf_counter()
     # built on the host, so the GPUs hold only what the strategy puts there (its peak memory is its own)
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(host_device()):
         run, batch = builder(GPT(cfg, nnx.Rngs(0)), devices, batch_for, backend)
     setup = time.perf_counter() - t0
     state, metrics = run.step(run.state, batch)  # compiles
