@@ -230,6 +230,8 @@ def shutdown() -> None:
 
 
 def _shutdown_at_exit() -> None:
+    if not _native.loaded():  # no communicator and no watchdog ever existed in this process
+        return
     try:
         shutdown()
     except NcclTimeoutError as e:
