@@ -56,6 +56,11 @@ def ffi_library() -> ctypes.CDLL:
     return lib
 
 
+def loaded() -> bool:
+    """Whether the FFI library has been loaded in this process (nothing to shut down otherwise)."""
+    return ffi_library.cache_info().currsize > 0
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     c = ctypes
     sig = {

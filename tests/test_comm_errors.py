@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -47,6 +48,33 @@ def test_mean_of_integers_is_refused():
 def test_unknown_reduce_op():
     with pytest.raises(ValueError, match=r"op='prod' is not supported; choose one of \('sum', 'mean'\)"):
         trace(lambda x: comm.reduce_scatter(x, "b", comm.token(), op="prod")[0])
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "all_reduce_start", "reduce_scatter", "reduce_scatter_start"])
+@pytest.mark.parametrize("op", [None, "SUM", 0])
+def test_a_reduce_op_that_is_not_one_of_the_names_is_refused(kind, op):
+    # op=None used to skip the check and sum
+    allowed = r"\('sum', 'mean', 'max', 'min'\)" if kind.startswith("all_reduce") else r"\('sum', 'mean'\)"
+    with pytest.raises(
+        ValueError, match=rf"{kind.removesuffix('_start')}: op={op!r} is not supported; choose one of {allowed}"
+    ):
+        trace(lambda x: jax.tree.leaves(getattr(comm, kind)(x, "b", comm.token(), op=op))[0])
+
+
+@pytest.mark.parametrize(
+    "perm",
+    [[(0, 1.5)], [(0, 1.0)], [("0", "1")], [(True, 1)], [(0, np.float32(1))], [(0, None)]],
+    ids=["float", "integral-float", "strings", "bool", "numpy-float", "none"],
+)
+def test_a_perm_rank_that_is_not_an_integer_is_refused(perm):
+    # these were silently taken as (0, 1)
+    with pytest.raises(TypeError, match=r"sendrecv: perm pair .* holds a non-integer rank; ranks are ints"):
+        trace(lambda x: comm.sendrecv(x, "b", comm.token(), perm=perm)[0])
+
+
+def test_numpy_integer_ranks_are_ranks():
+    perm = [(np.int64(0), np.int32(1)), (np.uint8(1), 0)]
+    trace(lambda x: comm.sendrecv(x, "b", comm.token(), perm=perm)[0])
 
 
 @pytest.mark.parametrize(

@@ -207,9 +207,10 @@ def test_state_is_the_models_parameter_tree_sharded_over_the_mesh():
     run = Parallel(mesh, plan=MLP_PLAN).prepare(ResMLP(nnx.Rngs(0)), optax.adam(1e-3), MLP_UNITS, mlp_batches(1)[0])
     up = run.state.params["layers"][0]["up"]["kernel"]
     assert up.shape == (16, 24)  # the model's own shape
-    assert up.sharding.shard_shape(up.shape) == (16, 6)  # columns over tp (2), then over fsdp (2)
+    # columns over tp (2), then the piece's largest dimension over fsdp (2)
+    assert up.sharding.shard_shape(up.shape) == (8, 12)
     mu = run.state.opt_state[0].mu["layers"][0]["up"]["kernel"]
-    assert mu.shape == (16, 24) and mu.sharding.shard_shape(mu.shape) == (16, 6)
+    assert mu.shape == (16, 24) and mu.sharding.shard_shape(mu.shape) == (8, 12)
     bias = run.state.params["out"]["bias"]  # 6 columns: 3 per tp rank, which do not split over fsdp
     assert bias.sharding.shard_shape(bias.shape) == (3,)
 

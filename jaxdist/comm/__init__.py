@@ -4,6 +4,10 @@ Every op takes a token and returns `(result, new_token)`; ops threaded through
 one token chain run in chain order. Async forms (`*_start`) return a handle
 that only `wait` turns into a value. Two backends share one signature:
 `"xla"` (jax.lax collectives, the default) and `"nccl"` (XLA FFI ops on GPU).
+
+Ranks along a tuple of axes, `axis_name=("b", "a")`, are numbered in tuple
+order (`b` most significant), as `lax.axis_index` numbers them, by every op and
+both backends, whatever the mesh's axis order (see `_ranks`).
 """
 
 from jaxdist.comm._backend import default_backend, set_default_backend

@@ -70,8 +70,8 @@ def check_divisible(shape: tuple[int, ...], dim: int, parts: int, op: str, axis_
         )
 
 
-def check_reduce_op(reduce_op: str, allowed: Sequence[str], op: str) -> str:
-    if reduce_op not in allowed:
+def check_reduce_op(reduce_op: object, allowed: Sequence[str], op: str) -> str:
+    if not isinstance(reduce_op, str) or reduce_op not in allowed:
         raise ValueError(f"{op}: op={reduce_op!r} is not supported; choose one of {tuple(allowed)}")
     return reduce_op
 
@@ -87,11 +87,23 @@ def check_dtype(dtype: np.dtype, reduce_op: str | None, supported: Sequence[np.d
         )
 
 
+def _is_rank(value: object) -> bool:
+    # numpy integers are ranks too; a bool, a float (even 1.0) or a string is a mistake
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def check_perm(perm: Sequence[tuple[int, int]], size: int, axis_name: AxisName) -> tuple[tuple[int, int], ...]:
     try:
-        pairs = tuple((int(s), int(d)) for s, d in perm)
+        pairs = tuple((s, d) for s, d in perm)
     except (TypeError, ValueError):
         raise TypeError(f"sendrecv: perm must be a sequence of (src, dst) rank pairs, got {perm!r}") from None
+    for pair in pairs:
+        if not all(_is_rank(r) for r in pair):
+            raise TypeError(
+                f"sendrecv: perm pair {pair!r} holds a non-integer rank; ranks are ints (Python or numpy), "
+                "not bools, floats or strings"
+            )
+    pairs = tuple((int(s), int(d)) for s, d in pairs)
     sources = [s for s, _ in pairs]
     dests = [d for _, d in pairs]
     for rank in sources + dests:
@@ -109,6 +121,12 @@ def check_perm(perm: Sequence[tuple[int, int]], size: int, axis_name: AxisName) 
 def check_handle(handle: object, tok: Token) -> Handle:
     if not isinstance(handle, Handle):
         raise TypeError(f"wait: expected a Handle from a *_start op, got {type(handle).__name__}")
+    if handle.left_its_shard_map():
+        raise ValueError(
+            f"wait: this {handle.op} handle is waited outside the shard_map it was started in (it was returned "
+            "from that shard_map, perhaps into another one). A handle may only be waited inside the shard_map "
+            "that started it: call wait there and return the result instead"
+        )
     if handle._waited:
         raise ValueError(f"wait: this {handle.op} handle was already waited; each handle is waited exactly once")
     if handle.chain != tok.chain:

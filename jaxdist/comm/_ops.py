@@ -36,9 +36,8 @@ def _prepare(kind: str, x, axis_name, tok, backend: str | None, **params) -> tup
     x = checks.check_array(x, kind)
     be = get_backend(backend)
     size = checks.axis_size(axis_name)
-    reduce_op = params.get("op")
-    if reduce_op is not None:
-        checks.check_reduce_op(reduce_op, _REDUCE_OPS[kind], kind)
+    # `op` is checked whenever the kind takes one: op=None must not fall through to a sum
+    reduce_op = checks.check_reduce_op(params["op"], _REDUCE_OPS[kind], kind) if kind in _REDUCE_OPS else None
     checks.check_dtype(x.dtype, reduce_op, be.dtypes, be.name, kind)
     if kind == "all_gather":
         if not isinstance(params["tiled"], bool):
@@ -80,7 +79,8 @@ def all_gather(x, axis_name, token: Token, *, axis: int = 0, tiled: bool = True,
     """Gather `x` from every rank of `axis_name`; returns `(result, token)`.
 
     With `tiled=True` the shards are concatenated along `axis`; otherwise they
-    are stacked along a new dimension at `axis`.
+    are stacked along a new dimension at `axis`. Shards come in rank order; along
+    a tuple of axes ranks are numbered in tuple order, like `lax.axis_index`.
     """
     return _run("all_gather", x, axis_name, token, backend, axis=axis, tiled=tiled)
 
@@ -88,7 +88,8 @@ def all_gather(x, axis_name, token: Token, *, axis: int = 0, tiled: bool = True,
 def reduce_scatter(x, axis_name, token: Token, *, op: str = "sum", scatter_axis: int = 0, backend: str | None = None):
     """Reduce `x` over `axis_name` and keep this rank's slice of `scatter_axis`.
 
-    `op` is "sum" or "mean"; returns `(result, token)`.
+    `op` is "sum" or "mean"; returns `(result, token)`. Rank r keeps slice r;
+    along a tuple of axes ranks are numbered in tuple order, like `lax.axis_index`.
     """
     return _run("reduce_scatter", x, axis_name, token, backend, op=op, scatter_axis=scatter_axis)
 
@@ -101,8 +102,11 @@ def all_reduce(x, axis_name, token: Token, *, op: str = "sum", backend: str | No
 def sendrecv(x, axis_name, token: Token, *, perm: Sequence[tuple[int, int]], backend: str | None = None):
     """Send `x` along the `(src, dst)` pairs of `perm`, like `lax.ppermute`.
 
-    A rank that receives nothing gets zeros; a rank may only send, only
-    receive, or both. Returns `(result, token)`.
+    Ranks are ints. Along a tuple of axes they are numbered in tuple order, as
+    `lax.axis_index(axis_name)` and `all_gather` number them: for `("b", "a")`
+    rank = b_index * size_a + a_index, whatever the mesh's axis order (unlike
+    `lax.ppermute`, which numbers in mesh order). A rank that receives nothing
+    gets zeros; a rank may only send, only receive, or both. Returns `(result, token)`.
     """
     return _run("sendrecv", x, axis_name, token, backend, perm=perm)
 
@@ -145,8 +149,9 @@ def tie(values, token: Token):
 def wait(handle: Handle, token: Token):
     """Finish the async op behind `handle`; returns `(result, token)`.
 
-    The token must be of the chain the op was started on, and each handle is
-    waited once.
+    The token must be of the chain the op was started on, each handle is
+    waited once, and only inside the `shard_map` that started it: a handle
+    returned from `shard_map` is refused here, outside it or in another one.
     """
     checks.check_token(token, "wait")
     checks.check_handle(handle, token)

@@ -4,7 +4,7 @@ A `Token` is a tiny uint8 array (not XLA's token type, which breaks inside
 `shard_map` + `scan` on jax 0.10) plus a static chain name. Every op takes a
 token and returns a new one; ops threaded through one chain run in chain order.
 A `Handle` holds the buffers an async op is communicating; only `wait` turns
-it into a usable value.
+it into a usable value, and only inside the `shard_map` that started it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.extend.core import get_opaque_trace_state
+
+from jaxdist._compat import manual_axes
 
 DEFAULT_CHAIN = "default"
 _REBUILT = object()  # the trace of a handle rebuilt from pytree leaves: unknown
@@ -54,7 +56,7 @@ class Handle:
     result: `wait(handle, token)` is the only way to get it.
     """
 
-    __slots__ = ("_buffers", "_op", "_chain", "_backend", "_params", "_waited", "_trace")
+    __slots__ = ("_buffers", "_op", "_chain", "_backend", "_params", "_waited", "_trace", "_manual", "_left")
 
     def __init__(self, buffers: tuple, op: str, chain: str, backend: str, params: tuple):
         self._buffers = tuple(buffers)
@@ -64,6 +66,13 @@ class Handle:
         self._params = params  # hashable (name, value) pairs the backend needs to finish
         self._waited = False
         self._trace = get_opaque_trace_state(convention="jaxdist")  # where it was started
+        self._manual = manual_axes()  # the manual mesh axes of the shard_map it was started in
+        self._left = False  # whether it was ever rebuilt outside that shard_map
+
+    def left_its_shard_map(self) -> bool:
+        """Whether the handle is outside the shard_map it was started in: returned from it
+        (and perhaps passed into another one), or used where the manual axes differ."""
+        return self._left or self._manual != manual_axes()
 
     def crossed_boundary(self) -> bool:
         """Whether the handle left the trace it was started in (a scan/while carry, a jit
@@ -79,12 +88,18 @@ class Handle:
         return self._chain
 
     def tree_flatten(self):
-        return self._buffers, (self._op, self._chain, self._backend, self._params)
+        return self._buffers, (self._op, self._chain, self._backend, self._params, self._manual, self._left)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        handle = cls(tuple(children), *aux)
+        *args, manual, left = aux
+        handle = cls(tuple(children), *args)
         handle._trace = _REBUILT
+        handle._manual = manual
+        # shard_map rebuilds its outputs after leaving its body, where other axes are manual;
+        # a scan or jit inside the body rebuilds them where the same axes are. The mark sticks,
+        # so a handle passed on into a second shard_map is still known to have left the first.
+        handle._left = left or manual != manual_axes()
         return handle
 
     def __repr__(self) -> str:

@@ -119,7 +119,11 @@ def _mesh_key(axis_names, axis_sizes, group: tuple[str, ...]) -> tuple:
 
 
 def _groups(mesh: Mesh, group: tuple[str, ...]) -> np.ndarray:
-    """Devices as rows of one communicator each; a device's column is its rank."""
+    """Devices as rows of one communicator each; a device's column is its rank.
+
+    Ranks follow jaxdist's rule (see `_ranks`): the group's axes in tuple
+    order, the first most significant, whatever the mesh's axis order.
+    """
     names = list(mesh.axis_names)
     order = [names.index(a) for a in names if a not in group] + [names.index(a) for a in group]
     size = int(np.prod([mesh.shape[a] for a in group]))
@@ -226,6 +230,8 @@ def shutdown() -> None:
 
 
 def _shutdown_at_exit() -> None:
+    if not _native.loaded():  # no communicator and no watchdog ever existed in this process
+        return
     try:
         shutdown()
     except NcclTimeoutError as e:
@@ -244,9 +250,11 @@ def _comm_key(axis_name) -> int:
     group = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     k = _mesh_key(mesh.axis_names, mesh.axis_sizes, group)
     if k not in _registry:
+        # a tuple of axes needs its own communicator, in its own order (ranks follow the tuple order)
+        call = "init(mesh)" if len(group) == 1 else f"init(mesh, axes=[{group!r}])"
         raise RuntimeError(
             f"no NCCL communicator for axis {axis_name!r} of a mesh {dict(zip(k[0], k[1], strict=True))}; "
-            "call jaxdist.comm.nccl.init(mesh) before tracing code that uses backend='nccl'"
+            f"call jaxdist.comm.nccl.{call} before tracing code that uses backend='nccl'"
         )
     return _registry[k]
 
