@@ -224,7 +224,7 @@ class ParallelRun:
         embed = lambda ws, b: self._embed_raw(ws, b, bound=False)
         x_aval = jax.eval_shape(embed, self._avals(outer, whole=True), self.local_batch)
         head = lambda ws, b: units.head_loss(self._outer_model(ws, False), jnp.zeros(x_aval.shape, x_aval.dtype), b)
-        self.aux_specs = self._aux_specs(jax.eval_shape(head, self._avals(outer), self.local_batch))
+        self.aux_specs = self._aux_specs(jax.eval_shape(head, self._avals(outer, whole=True), self.local_batch))
         read_by_embed = self._reads(embed, outer)
         read_by_head = self._reads(head, outer)
         self.embed_leaves = [k for k in outer if k in read_by_embed]
