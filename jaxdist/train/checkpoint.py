@@ -19,6 +19,7 @@ import errno
 import json
 import logging
 import shutil
+import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -99,14 +100,29 @@ class Checkpoints:
                 self._write_checksums(step)
         except Exception as e:
             # the filter stays: orbax's background threads log this failure again at exit
-            for tmp in self.directory.glob(f"{step}{ocp.path.atomicity_types.TMP_DIR_SUFFIX}*"):
-                shutil.rmtree(tmp, ignore_errors=True)
+            self._discard_partial(step)
             hint = "free some space" if getattr(e, "errno", None) == errno.ENOSPC else "fix the cause"
             raise CheckpointError(
                 f"could not save the checkpoint of step {step} in {self.directory}: {_first_line(e)}; {hint} "
                 "and run again to resume from the previous checkpoint"
             ) from None
         absl_logger.removeFilter(quiet)
+
+    def _discard_partial(self, step: int, settle_s: float = 1.0, limit_s: float = 30.0) -> None:
+        """Remove the temporary directory of a failed save of `step`. The writes of its other items are still
+        in flight (orbax does not cancel them) and recreate files, so wait until nothing reappears."""
+        try:
+            self.manager.close()  # drains orbax's own threads; tensorstore's writes may still land after it
+        except Exception:
+            pass
+        pattern = f"{step}{ocp.path.atomicity_types.TMP_DIR_SUFFIX}*"
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            for tmp in self.directory.glob(pattern):
+                shutil.rmtree(tmp, ignore_errors=True)
+            time.sleep(settle_s)
+            if not any(self.directory.glob(pattern)):
+                return
 
     def _write_checksums(self, step: int) -> None:
         step_dir = self.directory / str(step)
