@@ -54,9 +54,13 @@ def test_raising_run_steps_on_resume_keeps_the_schedule(tmp_path, capsys):
 def test_starting_over_needs_overwrite_and_then_replaces_the_run(tmp_path, capsys):
     out = tmp_path / "run"
     train(cfg(out, "run.steps=2"))
-    with pytest.raises(ConfigError, match="already holds a run and run.resume=false; set run.overwrite=true") as e:
-        train(cfg(out, "run.steps=1", "run.resume=false"))
-    assert "\n" not in str(e.value)
+    for fresh_start, why in [
+        ("run.resume=false", "run.resume=false"),
+        ("run.checkpoint_every=-1", "run.checkpoint_every=-1 reads no checkpoints"),
+    ]:
+        with pytest.raises(ConfigError, match=f"cannot continue \\({why}\\); set run.overwrite=true to delete it") as e:
+            train(cfg(out, "run.steps=1", fresh_start))
+        assert "\n" not in str(e.value)
     assert sorted(os.listdir(out / "checkpoints")) == ["2"]  # untouched
     capsys.readouterr()
     train(cfg(out, "run.steps=1", "run.resume=false", "run.overwrite=true"))

@@ -1,9 +1,10 @@
 """The run directory (`run.out_dir`): made writable, and either continued or started over on purpose.
 
 A run directory holds one run: `metrics.jsonl`, `checkpoints/` and, with
-TensorBoard, `tensorboard/`. Starting a fresh run where one exists would mix
-two runs (or silently replace checkpoints), so it needs `run.overwrite=true`,
-which deletes the old run first.
+TensorBoard, `tensorboard/`. An invocation either continues that run from a
+checkpoint or, with `run.overwrite=true`, deletes it and starts over; starting
+from step 0 next to an old run would mix the two (or silently replace its
+checkpoints), so it is refused.
 """
 
 from __future__ import annotations
@@ -20,10 +21,22 @@ RUN_FILES = ("metrics.jsonl", "curves.png")
 RUN_DIRS = ("checkpoints", "checkpoints.unreadable", "tensorboard")
 
 
-def holds_run(out_dir: Path) -> bool:
-    metrics = out_dir / "metrics.jsonl"
-    checkpoints = out_dir / "checkpoints"
-    return (metrics.is_file() and metrics.stat().st_size > 0) or (checkpoints.is_dir() and any(checkpoints.iterdir()))
+def _not_empty(path: Path) -> bool:
+    return (path.is_file() and path.stat().st_size > 0) or (path.is_dir() and any(path.iterdir()))
+
+
+def _why_not_resumable(run: RunConfig, out_dir: Path) -> str | None:
+    """Why this invocation cannot continue the run in `out_dir` (None: there is none, or it can)."""
+    has_checkpoints = _not_empty(out_dir / "checkpoints")
+    if not (has_checkpoints or _not_empty(out_dir / "metrics.jsonl")):
+        return None
+    if not run.resume:
+        return "run.resume=false"
+    if not has_checkpoints:
+        return "it has no checkpoint"
+    if run.checkpoint_every < 0:
+        return "run.checkpoint_every=-1 reads no checkpoints"
+    return None
 
 
 def prepare(run: RunConfig) -> Path:
@@ -47,9 +60,9 @@ def prepare(run: RunConfig) -> Path:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("jaxdist: run directory cleared")
-    elif not run.resume and holds_run(out_dir):
+    elif why := _why_not_resumable(run, out_dir):
         raise ConfigError(
-            f"run.out_dir {out_dir} already holds a run and run.resume=false; set run.overwrite=true to delete it "
-            "and start over, or pick a new run.out_dir"
+            f"run.out_dir {out_dir} already holds a run that this one cannot continue ({why}); "
+            "set run.overwrite=true to delete it and start over, or pick a new run.out_dir"
         )
     return out_dir
