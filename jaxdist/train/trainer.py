@@ -33,8 +33,15 @@ from jaxdist.train.launch import initialize_args
 from jaxdist.train.report import info
 from jaxdist.train.step_watchdog import StepWatchdog, timeout_from
 
-# bf16 dense matrix peak, FLOP/s, by device kind (H200: the rate measured on the lent machine)
-PEAK_FLOPS = {"NVIDIA H200": 790e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA A100-SXM4-80GB": 312e12}
+# Datasheet dense bf16 peak, FLOP/s, by device kind: the MFU denominator of Megatron, torchtitan
+# and MaxText (the H200 has the H100's tensor cores; ~790 TFLOP/s is the best rate measured on it)
+PEAK_FLOPS = {
+    "NVIDIA H200": 989e12,
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+}
 
 
 def init_distributed() -> None:
