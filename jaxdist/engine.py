@@ -255,7 +255,8 @@ class ParallelRun:
             return self.treedef.unflatten(out)
 
         params = jax.jit(store, out_shardings=shardings)(pure)
-        opt_state = jax.jit(self.optimizer.init)(params)
+        opt_shardings = _mirror_shardings(jax.eval_shape(self.optimizer.init, params), params, self._sharding(P()))
+        opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), self._sharding(P()))
         self.state_shardings = TrainState(shardings, jax.tree.map(lambda x: x.sharding, opt_state), step.sharding)
         return TrainState(params, opt_state, step)
@@ -446,6 +447,7 @@ class ParallelRun:
             keep = lambda new, old: jnp.where(skipped, old, new)
             params, opt_state = jax.tree.map(keep, (params, opt_state), (state.params, state.opt_state))
         params = jax.lax.with_sharding_constraint(params, self.state_shardings.params)
+        opt_state = jax.lax.with_sharding_constraint(opt_state, self.state_shardings.opt_state)
         new = TrainState(params, opt_state, state.step + 1)
         return new, {**metrics, "grad_norm": norm, "skipped": skipped}
 
@@ -534,6 +536,24 @@ class ParallelRun:
         """Sum of a unit's gathered weights, replicated pieces counted once over tp."""
         tp = self.cfg.tp
         return sum(jnp.sum(w.astype(jnp.float32)) / (tp if self.leaves[k].tp_dim is None else 1) for k, w in ws.items())
+
+
+def _mirror_shardings(opt_shapes, params, replicated):
+    """Each optimizer state leaf that mirrors a parameter (same path suffix and shape, as Adam's
+    moments do, also inside masked and multi_transform states) is sharded like it; others replicated."""
+    by_path = {
+        tuple(str(k) for k in kp): (x.shape, x.sharding) for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+
+    def sharding(kp, x):
+        keys = tuple(str(k) for k in kp)
+        for start in range(len(keys)):
+            hit = by_path.get(keys[start:])
+            if hit is not None and hit[0] == x.shape:
+                return hit[1]
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(sharding, opt_shapes)
 
 
 def _fetch(op: AsyncOp, value, tok):
