@@ -69,6 +69,10 @@ class Parallel:
         sequence (dimension 1) over `tp`.
       remat: recompute each block's activations in backward (`jax.checkpoint`
         around the gathered weights: no second gather).
+      buffers: how many gathered units may exist at once (>= 2).
+      prefetch: how many units ahead gathers start; needs `prefetch + 1 <= buffers`
+        (the loop's carry then holds `prefetch` in-flight units, so a third buffer
+        cannot be written with the default 2).
       max_grad_norm: clip by the global gradient norm, or None.
       skip_nonfinite: skip the update (and report it) when the gradient norm is NaN/Inf.
       record_weights: report, per block, the sum of the weights it computed with
@@ -85,6 +89,8 @@ class Parallel:
     reshard_after_forward: bool = True
     sequence_parallel: bool = False
     remat: bool = False
+    buffers: int = 2
+    prefetch: int = 1
     max_grad_norm: float | None = None
     skip_nonfinite: bool = True
     record_weights: bool = False
@@ -101,6 +107,17 @@ class Parallel:
             )
         if self.tp > 1 and self.plan is None:
             raise ValueError(f"Parallel: the {self.tp_axis!r} axis has size {self.tp}; pass plan=TPPlan(...)")
+        if not isinstance(self.buffers, int) or self.buffers < 2:
+            raise ValueError(
+                f"Parallel: buffers must be an int >= 2 (one unit computing, one arriving), got {self.buffers!r}"
+            )
+        if not isinstance(self.prefetch, int) or self.prefetch < 1:
+            raise ValueError(f"Parallel: prefetch must be an int >= 1, got {self.prefetch!r}")
+        if self.prefetch + 1 > self.buffers:
+            raise ValueError(
+                f"Parallel: prefetch={self.prefetch} keeps {self.prefetch + 1} gathered units alive but buffers="
+                f"{self.buffers}; raise buffers to {self.prefetch + 1} or lower prefetch"
+            )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("Parallel: sequence_parallel needs a tp axis of size > 1")
 
@@ -482,6 +499,7 @@ class ParallelRun:
             tok,
             fetch=gather,
             fetch_input=lambda i, _: unit(self.block_leaves[i]),
+            depth=min(cfg.prefetch, self.n_blocks),
             unroll=True,
         )
         head_w, tok = _fetch(gather, unit(self.head_leaves), tok)
@@ -511,6 +529,7 @@ class ParallelRun:
             emit=reduce,
             finish=finish,
             acc={},
+            depth=min(cfg.prefetch, self.n_blocks),
             reverse=True,
             unroll=True,
         )
