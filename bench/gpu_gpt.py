@@ -6,8 +6,8 @@ Variants, all bf16 compute with float32 parameters, AdamW, batch x 1024 tokens:
   jaxdist        jaxdist's DDP strategy on a one-GPU mesh, with cuDNN flash attention
                  (what `jaxdist train` runs on one device)
 tokens/s is measured over `--steps` steps after 3 warm-up steps; MFU = tokens/s x
-(6 N + 12 L d T) / peak, with the peak bf16 matrix rate of the device (H200: 790
-TFLOP/s, the rate measured on the lent machine). Prints a table last and appends
+(6 N + 12 L d T) / peak, with the datasheet dense bf16 peak of the device (989
+TFLOP/s for the H100 and H200). Prints a table last and appends
 it to bench/RESULTS.md.
 
     python bench/gpu_gpt.py [--flavors 124m 350m] [--batch 16] [--steps 20]

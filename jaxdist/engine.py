@@ -98,6 +98,10 @@ class Parallel:
         sequence (dimension 1) over `tp`.
       remat: recompute each block's activations in backward (`jax.checkpoint`
         around the gathered weights: no second gather).
+      buffers: how many gathered units may exist at once (>= 2).
+      prefetch: how many units ahead gathers start; needs `prefetch + 1 <= buffers`
+        (the loop's carry then holds `prefetch` in-flight units, so a third buffer
+        cannot be written with the default 2).
       max_grad_norm: clip by the global gradient norm, or None.
       skip_nonfinite: skip the update (and report it) when the gradient norm is NaN/Inf.
       record_weights: report, per block, the sum of the weights it computed with
@@ -114,6 +118,8 @@ class Parallel:
     reshard_after_forward: bool = True
     sequence_parallel: bool = False
     remat: bool = False
+    buffers: int = 2
+    prefetch: int = 1
     max_grad_norm: float | None = None
     skip_nonfinite: bool = True
     record_weights: bool = False
@@ -130,6 +136,17 @@ class Parallel:
             )
         if self.tp > 1 and self.plan is None:
             raise ValueError(f"Parallel: the {self.tp_axis!r} axis has size {self.tp}; pass plan=TPPlan(...)")
+        if not isinstance(self.buffers, int) or self.buffers < 2:
+            raise ValueError(
+                f"Parallel: buffers must be an int >= 2 (one unit computing, one arriving), got {self.buffers!r}"
+            )
+        if not isinstance(self.prefetch, int) or self.prefetch < 1:
+            raise ValueError(f"Parallel: prefetch must be an int >= 1, got {self.prefetch!r}")
+        if self.prefetch + 1 > self.buffers:
+            raise ValueError(
+                f"Parallel: prefetch={self.prefetch} keeps {self.prefetch + 1} gathered units alive but buffers="
+                f"{self.buffers}; raise buffers to {self.prefetch + 1} or lower prefetch"
+            )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("Parallel: sequence_parallel needs a tp axis of size > 1")
 
@@ -359,7 +376,8 @@ class ParallelRun:
             return self.treedef.unflatten(out)
 
         params = jax.jit(store, out_shardings=shardings)(pure)
-        opt_state = jax.jit(self.optimizer.init)(params)
+        opt_shardings = _mirror_shardings(jax.eval_shape(self.optimizer.init, params), params, self._sharding(P()))
+        opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), self._sharding(P()))
         self.state_shardings = TrainState(shardings, jax.tree.map(lambda x: x.sharding, opt_state), step.sharding)
         return TrainState(params, opt_state, step)
@@ -565,6 +583,7 @@ class ParallelRun:
             keep = lambda new, old: jnp.where(skipped, old, new)
             params, opt_state = jax.tree.map(keep, (params, opt_state), (state.params, state.opt_state))
         params = jax.lax.with_sharding_constraint(params, self.state_shardings.params)
+        opt_state = jax.lax.with_sharding_constraint(opt_state, self.state_shardings.opt_state)
         new = TrainState(params, opt_state, state.step + 1)
         return new, {**metrics, "grad_norm": norm, "skipped": skipped}
 
@@ -603,6 +622,7 @@ class ParallelRun:
             tok,
             fetch=gather,
             fetch_input=lambda i, _: block_unit(i),
+            depth=min(cfg.prefetch, self.n_blocks),
             unroll=True,
         )
         head_w, tok = _fetch(gather, unit(self.head_leaves), tok)
@@ -638,6 +658,7 @@ class ParallelRun:
             emit=reduce,
             finish=finish,
             acc={},
+            depth=min(cfg.prefetch, self.n_blocks),
             reverse=True,
             unroll=True,
         )
@@ -687,6 +708,24 @@ class ParallelRun:
         """Sum of a unit's gathered weights, replicated pieces counted once over tp."""
         tp = self.cfg.tp
         return sum(jnp.sum(w.astype(jnp.float32)) / (tp if self.leaves[k].tp_dim is None else 1) for k, w in ws.items())
+
+
+def _mirror_shardings(opt_shapes, params, replicated):
+    """Each optimizer state leaf that mirrors a parameter (same path suffix and shape, as Adam's
+    moments do, also inside masked and multi_transform states) is sharded like it; others replicated."""
+    by_path = {
+        tuple(str(k) for k in kp): (x.shape, x.sharding) for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+
+    def sharding(kp, x):
+        keys = tuple(str(k) for k in kp)
+        for start in range(len(keys)):
+            hit = by_path.get(keys[start:])
+            if hit is not None and hit[0] == x.shape:
+                return hit[1]
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(sharding, opt_shapes)
 
 
 def _fetch(op: AsyncOp, value, tok):

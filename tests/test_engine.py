@@ -272,6 +272,22 @@ def test_zero3_gathers_again_for_backward_and_ahead_of_use():
     assert before[0] == before[1] == 0 and before[2] > 0, before
 
 
+def test_deeper_prefetch_needs_a_buffer_more_and_gathers_further_ahead():
+    """Seed 002: the pipelined loop's carry holds `prefetch` in-flight units, so prefetch=2 needs
+    buffers=3 (asking for it with 2 raises) and then gathers blocks 0, 1 and 2 before block 0 runs."""
+    mesh = cpu_mesh((8,), ("fsdp",))
+    with pytest.raises(ValueError, match="raise buffers to 3"):
+        Parallel(mesh, prefetch=2)
+    cfg = dataclasses.replace(GPT_CFG, n_layers=4)
+    run = Parallel(mesh, buffers=3, prefetch=2).prepare(GPT(cfg, nnx.Rngs(0)), adamw(), UNITS, gpt_batches(1)[0])
+    sched = entry_schedule(run.step.lower(run.state, gpt_batches(1)[0]).compile().as_text())
+    matmuls = positions(sched, "matmul")
+    block = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(GPT(cfg, nnx.Rngs(0)).blocks[0], nnx.Param)))
+    gathers = positions(sched, "all-gather", f"f32[8,{block // 8}]")
+    before = [sum(m < g for m in matmuls) for g in gathers[:4]]
+    assert before[:3] == [0, 0, 0] and before[3] > 0, before
+
+
 def test_tp_runs_the_models_own_forward_in_its_dtype():
     """A bf16 GPT under TP computes its matmuls in bf16, as on one device (the model's own code runs)."""
     cfg = dataclasses.replace(GPT_CFG, dtype=jnp.bfloat16)

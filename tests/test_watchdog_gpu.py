@@ -28,6 +28,7 @@ def _run_pair(tmp_path, skip: int, timeout_s: float):
         "JAXDIST_NCCL_TIMEOUT_S": str(DEADLINE_S),
         "JAXDIST_NCCL_EXIT_GRACE_S": "3",
         "JAXDIST_FLIGHT_RECORD_DIR": str(tmp_path),
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",  # the parent pytest may hold most of each GPU
     }
     procs = [
         subprocess.Popen(

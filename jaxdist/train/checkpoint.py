@@ -3,15 +3,27 @@
 Each checkpoint holds the strategy's own train state (exact resume on the same
 mesh and strategy), the full parameters in the single-device layout (restore
 onto another mesh shape or strategy), and metadata (model config, layout,
-step). Orbax writes a checkpoint to a temporary directory and renames it when
-complete, so an interrupted save never touches the previous checkpoints; only
-the newest `keep` are kept.
+schedule, step). Orbax writes a checkpoint to a temporary directory and renames
+it when complete, so an interrupted save never touches the previous
+checkpoints; only the newest `keep` are kept.
+
+Orbax does not checksum its data files (a flipped byte restores silently as a
+wrong value), so after each save the size and CRC-32 of every file go into
+`CHECKSUMS`; a checkpoint that fails it, or that orbax cannot read, is moved
+to `checkpoints.unreadable/` and the previous one is used instead.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import shutil
+import time
+import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import jax
 import numpy as np
@@ -19,11 +31,47 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxdist.train.config import ConfigError
+from jaxdist.train.report import warn
+
+CHECKSUMS = "jaxdist_checksums.json"
+T = TypeVar("T")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message is one line and names the fix."""
+
+
+class _Unreadable(Exception):
+    """A checkpoint whose files do not match the checksums recorded when it was saved."""
+
+
+def _file_sums(step_dir: Path) -> dict[str, list[int]]:
+    sums = {}
+    for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS):
+        crc = 0
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                crc = zlib.crc32(chunk, crc)
+        sums[str(path.relative_to(step_dir))] = [path.stat().st_size, crc]
+    return sums
+
+
+def _first_line(e: BaseException) -> str:
+    text = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
+    return text.strip().splitlines()[0][:200]
+
+
+class _DropOrbaxLogs(logging.Filter):
+    """Orbax logs a failed background write several times with tracebacks; the save raises it once, on one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "orbax" not in record.pathname
 
 
 class Checkpoints:
     def __init__(self, directory: str | Path, keep: int):
         self.directory = Path(directory).absolute() / "checkpoints"
+        self.unreadable_dir = self.directory.with_name("checkpoints.unreadable")
         options = ocp.CheckpointManagerOptions(max_to_keep=max(1, keep), create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "params", "meta"))
 
@@ -31,17 +79,102 @@ class Checkpoints:
         return self.manager.latest_step()
 
     def save(self, step: int, state, params, meta: dict) -> None:
+        """Write checkpoint `step`; a failure (e.g. a full disk) leaves no partial checkpoint and raises
+        CheckpointError."""
         pure = nnx.to_pure_dict(params)
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                params=ocp.args.StandardSave(pure),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=True,
+        quiet = _DropOrbaxLogs()
+        absl_logger = logging.getLogger("absl")
+        absl_logger.addFilter(quiet)
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    params=ocp.args.StandardSave(pure),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+                force=True,
+            )
+            self.manager.wait_until_finished()
+            if jax.process_index() == 0:
+                self._write_checksums(step)
+        except Exception as e:
+            # the filter stays: orbax's background threads log this failure again at exit
+            self._discard_partial(step)
+            hint = "free some space" if getattr(e, "errno", None) == errno.ENOSPC else "fix the cause"
+            raise CheckpointError(
+                f"could not save the checkpoint of step {step} in {self.directory}: {_first_line(e)}; {hint} "
+                "and run again to resume from the previous checkpoint"
+            ) from None
+        absl_logger.removeFilter(quiet)
+
+    def _discard_partial(self, step: int, settle_s: float = 1.0, limit_s: float = 30.0) -> None:
+        """Remove the temporary directory of a failed save of `step`. The writes of its other items are still
+        in flight (orbax does not cancel them) and recreate files, so wait until nothing reappears."""
+        try:
+            self.manager.close()  # drains orbax's own threads; tensorstore's writes may still land after it
+        except Exception:
+            pass
+        pattern = f"{step}{ocp.path.atomicity_types.TMP_DIR_SUFFIX}*"
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            for tmp in self.directory.glob(pattern):
+                shutil.rmtree(tmp, ignore_errors=True)
+            time.sleep(settle_s)
+            if not any(self.directory.glob(pattern)):
+                return
+
+    def _write_checksums(self, step: int) -> None:
+        step_dir = self.directory / str(step)
+        tmp = step_dir / f"{CHECKSUMS}.tmp"
+        tmp.write_text(json.dumps(_file_sums(step_dir)))
+        tmp.replace(step_dir / CHECKSUMS)  # atomic: a checkpoint has its whole list of sums or none
+
+    def _verify(self, step: int) -> None:
+        """Raise _Unreadable if the files of `step` differ from those recorded at save (if recorded)."""
+        step_dir = self.directory / str(step)
+        recorded = step_dir / CHECKSUMS
+        if not recorded.is_file():
+            return  # saved before checksums existed, or the process died right after orbax finished
+        expected = json.loads(recorded.read_text())
+        found = _file_sums(step_dir)
+        for name, (size, crc) in expected.items():
+            if name not in found:
+                raise _Unreadable(f"{name} is missing")
+            if found[name][0] != size:
+                raise _Unreadable(f"{name} has {found[name][0]} bytes, saved with {size}")
+            if found[name][1] != crc:
+                raise _Unreadable(f"{name} has changed since it was saved")
+
+    def newest_readable(self, read: Callable[[int], T], below: int | None = None) -> tuple[int, T] | None:
+        """`(step, read(step))` for the newest checkpoint (older than `below`, if given) that verifies and
+        reads; each newer one that fails is moved aside with a one-line warning. None if there is none."""
+        steps = sorted((s for s in self.manager.all_steps() if below is None or s < below), reverse=True)
+        for step in steps:
+            try:
+                self._verify(step)
+                return step, read(step)
+            except ConfigError:
+                raise
+            except Exception as e:
+                self._set_aside(step, _first_line(e))
+        return None
+
+    def _set_aside(self, step: int, reason: str) -> None:
+        target = self.unreadable_dir / str(step)
+        warn(
+            f"checkpoint {self.directory / str(step)} is unreadable ({reason}); "
+            f"moved to {target}, resuming from the previous one"
         )
-        self.manager.wait_until_finished()
+        if jax.process_index() == 0:
+            shutil.rmtree(target, ignore_errors=True)
+            target.parent.mkdir(exist_ok=True)
+            shutil.move(self.directory / str(step), target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"jaxdist: checkpoint {step} set aside")
+        self.manager.reload()
 
     def meta(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
@@ -67,5 +200,5 @@ def check_same_model(meta: dict, model: dict, directory: Path) -> None:
         saved = json.dumps(meta.get("model"), sort_keys=True)
         raise ConfigError(
             f"the checkpoint in {directory} is for another model ({saved}); use a new run.out_dir, "
-            "set run.resume=false, or match the model settings"
+            "set run.resume=false run.overwrite=true, or match the model settings"
         )

@@ -26,12 +26,14 @@ def _train(args) -> int:
         path = args.config
     elif args.config:
         overrides.insert(0, args.config)
+    from jaxdist.train.checkpoint import CheckpointError
+
     try:
         cfg = config_lib.load(path, overrides)
         from jaxdist.train.trainer import train
 
         train(cfg)
-    except (config_lib.ConfigError, ValueError) as e:
+    except (config_lib.ConfigError, ValueError, CheckpointError) as e:
         print(f"jaxdist train: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -42,7 +44,15 @@ def _train(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="jaxdist", description="Train GPTs with jaxdist's strategies.")
     sub = ap.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a GPT (see jaxdist/train/configs/*.toml)")
+    from jaxdist.train.config import describe
+
+    t = sub.add_parser(
+        "train",
+        help="train a GPT (see jaxdist/train/configs/*.toml)",
+        description="Train a GPT: defaults, then the TOML file, then section.key=value overrides.",
+        epilog="config keys (TOML [section] key = value, or section.key=value), with defaults:\n" + describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     t.add_argument("config", nargs="?", help="a TOML config file (optional)")
     t.add_argument("overrides", nargs="*", help="section.key=value, e.g. run.steps=100 parallel.tp=2")
     la = sub.add_parser("launch", help="run a command as N local processes wired with jax.distributed")

@@ -8,6 +8,7 @@ error that names the valid keys.
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 import typing
 from pathlib import Path
@@ -18,63 +19,70 @@ class ConfigError(ValueError):
     """A bad configuration; the message is one line and names the fix."""
 
 
+def _key(default: Any, help: str = "") -> Any:
+    """A config key: its default and the one line `jaxdist train --help` shows for it."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclasses.dataclass
 class ModelConfig:
-    flavor: str = "tiny"  # a key of jaxdist.train.gpt.FLAVORS; the fields below override it when set
-    n_layers: int | None = None
-    d_model: int | None = None
-    n_heads: int | None = None
-    seq_len: int | None = None
-    vocab_size: int | None = None
-    tie_embeddings: bool | None = None
-    dtype: str = "float32"  # compute dtype: float32 or bfloat16
+    flavor: str = _key("tiny", "a key of jaxdist.train.gpt.FLAVORS; the keys below override it when set")
+    n_layers: int | None = _key(None, "transformer blocks")
+    d_model: int | None = _key(None, "width")
+    n_heads: int | None = _key(None, "attention heads (must divide d_model)")
+    seq_len: int | None = _key(None, "tokens per sequence")
+    vocab_size: int | None = _key(None, "vocabulary (>= 256 for byte-level text)")
+    tie_embeddings: bool | None = _key(None, "share the input embedding with the head")
+    dtype: str = _key("float32", "compute dtype: float32 or bfloat16")
 
 
 @dataclasses.dataclass
 class ParallelConfig:
-    dp: int = -1  # -1: every device not used by fsdp and tp
-    fsdp: int = 1
-    tp: int = 1
-    zero1: bool = True  # DDP only (FSDP and TP always shard the optimizer state)
-    bucket_mb: float = 40.0
-    buffers: int = 2  # FSDP
-    update_in_backward: bool = False  # FSDP
-    sequence_parallel: bool = False  # TP
-    remat: bool = True  # TP
-    backend: str = "xla"  # comm backend: xla or nccl
+    dp: int = _key(-1, "data-parallel size; -1: every device not used by fsdp and tp")
+    fsdp: int = _key(1, "FSDP size (> 1: FSDP, HSDP with dp > 1)")
+    tp: int = _key(1, "tensor-parallel size (> 1: DP x TP)")
+    zero1: bool = _key(True, "DDP: shard the optimizer state (FSDP and TP always do)")
+    bucket_mb: float = _key(40.0, "DDP: gradient bucket size, MiB")
+    buffers: int = _key(2, "FSDP: units gathered at once")
+    update_in_backward: bool = _key(False, "FSDP: update each unit during backward (needs optim.max_grad_norm=0)")
+    sequence_parallel: bool = _key(False, "TP: shard activations along the sequence")
+    remat: bool = _key(True, "TP: recompute blocks in backward")
+    backend: str = _key("xla", "comm backend: xla or nccl")
 
 
 @dataclasses.dataclass
 class OptimConfig:
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.95
-    max_grad_norm: float = 1.0  # 0 disables clipping
-    accumulation_steps: int = 1  # DDP only
+    lr: float = _key(3e-3, "peak learning rate (AdamW)")
+    min_lr_ratio: float = _key(0.1, "final learning rate / lr")
+    warmup_steps: int = _key(10, "linear warmup steps")
+    decay_steps: int | None = _key(None, "schedule length (warmup + cosine); default run.steps of the first run")
+    weight_decay: float = _key(0.0, "AdamW weight decay")
+    b1: float = _key(0.9, "AdamW beta1")
+    b2: float = _key(0.95, "AdamW beta2")
+    max_grad_norm: float = _key(1.0, "clip by the global gradient norm; 0 disables clipping")
+    accumulation_steps: int = _key(1, "DDP: micro-batches per step")
 
 
 @dataclasses.dataclass
 class DataConfig:
-    source: str = "text"  # "text" (byte-level, the file below) or "synthetic"
-    path: str = ""  # default: the corpus shipped with jaxdist
-    batch_size: int = 16  # global, sequences per step
+    source: str = _key("text", "text (byte-level, data.path) or synthetic")
+    path: str = _key("", "a text file; default: the corpus shipped with jaxdist")
+    batch_size: int = _key(16, "global sequences per step")
 
 
 @dataclasses.dataclass
 class RunConfig:
-    steps: int = 200
-    seed: int = 0
-    out_dir: str = "runs/tiny"
-    log_every: int = 10
-    checkpoint_every: int = 100  # 0: only at the end
-    keep_checkpoints: int = 2
-    resume: bool = True  # continue from the newest checkpoint in out_dir if there is one
-    tensorboard: bool = False
-    progress: bool = True
-    step_timeout_s: float = 0.0  # a step running longer ends the process with a report (0: off; train.step_watchdog)
+    steps: int = _key(200, "train until this step")
+    seed: int = _key(0, "parameters and batches")
+    out_dir: str = _key("runs/tiny", "metrics.jsonl and checkpoints/")
+    log_every: int = _key(10, "steps between metrics rows")
+    checkpoint_every: int = _key(100, "steps between checkpoints; 0: only at the end; -1: none")
+    keep_checkpoints: int = _key(2, "newest checkpoints kept")
+    resume: bool = _key(True, "continue from the newest checkpoint in out_dir")
+    overwrite: bool = _key(False, "start over in an out_dir that holds a run, deleting its checkpoints and metrics")
+    tensorboard: bool = _key(False, "also write TensorBoard events (needs tensorboardX)")
+    progress: bool = _key(True, "a progress bar (plain lines without a terminal)")
+    step_timeout_s: float = _key(0.0, "a step running longer ends the process with a report (0: off)")
 
 
 @dataclasses.dataclass
@@ -153,3 +161,35 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConf
         section, key = name.split(".", 1)
         apply(cfg, section.strip(), key.strip(), value.strip())
     return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Values no run can use, and settings that contradict each other: a one-line ConfigError each."""
+    positive = [("run.steps", cfg.run.steps), ("data.batch_size", cfg.data.batch_size)]
+    positive += [
+        ("optim.accumulation_steps", cfg.optim.accumulation_steps),
+        ("optim.decay_steps", cfg.optim.decay_steps),
+    ]
+    positive += [
+        (f"model.{k}", getattr(cfg.model, k)) for k in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size")
+    ]
+    for name, value in positive:
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be >= 1, got {value}")
+    if cfg.parallel.update_in_backward and cfg.optim.max_grad_norm > 0:
+        # the strategy updates each unit before the global gradient norm exists, so clipping would be dropped
+        raise ConfigError(
+            "parallel.update_in_backward=true cannot clip by optim.max_grad_norm (units are updated before the "
+            "global gradient norm exists); set optim.max_grad_norm=0 or parallel.update_in_backward=false"
+        )
+
+
+def describe() -> str:
+    """Every section and key with its default and meaning, from the dataclasses (for `--help`)."""
+    lines = []
+    for section, cls in _fields(TrainConfig).items():
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(cls):
+            default = "none" if f.default is None else json.dumps(f.default)
+            lines.append(f"  {section}.{f.name} = {default}".ljust(40) + f"  {f.metadata.get('help', '')}".rstrip())
+    return "\n".join(lines)

@@ -32,9 +32,12 @@ class TextData:
 
     def __init__(self, path: str | Path | None, seq_len: int, seed: int):
         path = Path(path) if path else CORPUS
+        if path.is_dir():
+            raise ValueError(f"data.path {path} is a directory; set data.path to a text file")
         if not path.is_file():
             raise ValueError(f"data file {path} does not exist; set data.path to a text file")
-        self.tokens = ByteTokenizer().encode(path.read_text(encoding="utf-8"))
+        # byte-level: the file's bytes are the tokens, whatever its encoding
+        self.tokens = np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.int32)
         if len(self.tokens) <= seq_len + 1:
             raise ValueError(f"data file {path} has {len(self.tokens)} bytes, fewer than model.seq_len + 2")
         self.seq_len, self.seed = seq_len, seed

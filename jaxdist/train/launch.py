@@ -1,20 +1,50 @@
 """`jaxdist launch`: start N local processes of one command, wired with jax.distributed.
 
-Each process gets JAXDIST_COORDINATOR (localhost and a free port),
+Each process gets JAXDIST_COORDINATOR (127.0.0.1 and a free port),
 JAXDIST_NUM_PROCESSES and JAXDIST_PROCESS_ID, which the trainer passes to
-`jax.distributed.initialize`. Without GPUs each process simulates
-`cpu_devices` CPU devices and uses JAX's gloo CPU collectives. If one process
-fails, the others are stopped, so nothing waits forever.
+`jax.distributed.initialize` (`initialize_args`). The coordination service has
+no authentication, so it binds to the coordinator address itself (loopback for
+a local launch), not to every interface as jax would; JAXDIST_COORDINATOR_BIND
+overrides that for multi-node runs. Without GPUs each process simulates
+`cpu_devices` CPU devices and uses JAX's gloo CPU collectives.
+
+Each worker's output lines come prefixed with its rank. If one worker dies, the
+launcher says which and how, stops the others at once and exits non-zero, so
+nothing waits forever.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Mapping
+
+# gloo prints one line per peer connection when its context starts: noise at every launch
+_GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+
+
+def initialize_args(env: Mapping[str, str]) -> dict:
+    """Keyword arguments for `jax.distributed.initialize` from the environment `jaxdist launch` sets
+    (empty under SLURM / Open MPI, whose detection jax does itself, unless JAXDIST_COORDINATOR_BIND is set)."""
+    args = {}
+    if env.get("JAXDIST_COORDINATOR"):
+        args = {
+            "coordinator_address": env["JAXDIST_COORDINATOR"],
+            "num_processes": int(env["JAXDIST_NUM_PROCESSES"]),
+            "process_id": int(env["JAXDIST_PROCESS_ID"]),
+            # only the interface the workers connect to (jax's default is [::], every interface)
+            "coordinator_bind_address": env["JAXDIST_COORDINATOR"],
+        }
+    if env.get("JAXDIST_COORDINATOR_BIND"):
+        args["coordinator_bind_address"] = env["JAXDIST_COORDINATOR_BIND"]
+    return args
 
 
 def _free_port() -> int:
@@ -23,7 +53,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop(procs, grace_s: float = 5.0) -> None:
+def _stop(procs, grace_s: float = 3.0) -> None:
     """SIGTERM the processes still running, then SIGKILL whatever outlives the grace period."""
     for p in procs:
         if p.poll() is None:
@@ -37,6 +67,25 @@ def _stop(procs, grace_s: float = 5.0) -> None:
             p.wait()
 
 
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _relay(stream, rank: int, out, lock: threading.Lock) -> None:
+    """Copy a worker's stream line by line, prefixed with its rank ('\\r' progress updates count as lines)."""
+    for line in io.TextIOWrapper(stream, errors="replace"):
+        if _GLOO_CONNECTED.match(line):
+            continue
+        with lock:
+            out.write(f"[rank {rank}] {line if line.endswith(chr(10)) else line + chr(10)}")
+            out.flush()
+
+
 def launch(cmd: list[str], n: int, *, cpu_devices: int | None = None, port: int = 0) -> int:
     if not cmd:
         print("jaxdist launch: give the command after --, e.g. jaxdist launch -n 2 -- jaxdist train", file=sys.stderr)
@@ -47,7 +96,7 @@ def launch(cmd: list[str], n: int, *, cpu_devices: int | None = None, port: int 
     if cmd[0] == "jaxdist":  # the same interpreter and package as this launcher
         cmd = [sys.executable, "-m", "jaxdist.train.cli", *cmd[1:]]
     address = f"127.0.0.1:{port or _free_port()}"
-    procs = []
+    procs, relays, lock = [], [], threading.Lock()
     for i in range(n):
         env = dict(os.environ, JAXDIST_COORDINATOR=address, JAXDIST_NUM_PROCESSES=str(n), JAXDIST_PROCESS_ID=str(i))
         if cpu_devices:
@@ -55,21 +104,49 @@ def launch(cmd: list[str], n: int, *, cpu_devices: int | None = None, port: int 
             env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={cpu_devices}"])
             env["JAX_PLATFORMS"] = "cpu"
             env["JAXDIST_CPU_COLLECTIVES"] = "gloo"
-        procs.append(subprocess.Popen(cmd, env=env))
+        try:
+            p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except OSError as e:
+            _stop(procs)
+            print(f"jaxdist launch: cannot run {cmd[0]}: {e.strerror or e}", file=sys.stderr)
+            return 127 if isinstance(e, FileNotFoundError) else 126
+        procs.append(p)
+        for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+            relays.append(threading.Thread(target=_relay, args=(stream, i, out, lock), daemon=True))
+            relays[-1].start()
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                _stop(procs)
-                return failed[0]
-            if all(c == 0 for c in codes):
-                return 0
-            time.sleep(0.2)
+        code = _watch(procs, lock)
     except KeyboardInterrupt:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
         for p in procs:
-            p.wait(timeout=60)
-        return 130
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        code = 130
+    for t in relays:  # the last lines of every worker, before the launcher's own verdict
+        t.join(timeout=5)
+    return code
+
+
+def _watch(procs, lock: threading.Lock) -> int:
+    """Wait for every worker; on the first failure name it, stop the rest, and return its code."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            others = sum(c is None for c in codes)
+            with lock:
+                print(
+                    f"jaxdist launch: rank {rank} {_how(code)}; stopping the other {others} running worker(s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            _stop(procs)
+            return code if code > 0 else 128 - code
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -23,13 +24,24 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.train import data as data_lib
-from jaxdist.train.checkpoint import Checkpoints, check_same_model
-from jaxdist.train.config import ConfigError, TrainConfig
+from jaxdist.train import run_dir
+from jaxdist.train import schedule as schedule_lib
+from jaxdist.train.checkpoint import CheckpointError, Checkpoints, check_same_model
+from jaxdist.train.config import ConfigError, TrainConfig, validate
 from jaxdist.train.gpt import FLAVORS, GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for
+from jaxdist.train.launch import initialize_args
+from jaxdist.train.report import info
 from jaxdist.train.step_watchdog import StepWatchdog, timeout_from
 
-# bf16 dense matrix peak, FLOP/s, by device kind (H200: the rate measured on the lent machine)
-PEAK_FLOPS = {"NVIDIA H200": 790e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA A100-SXM4-80GB": 312e12}
+# Datasheet dense bf16 peak, FLOP/s, by device kind: the MFU denominator of Megatron, torchtitan
+# and MaxText (the H200 has the H100's tensor cores; ~790 TFLOP/s is the best rate measured on it)
+PEAK_FLOPS = {
+    "NVIDIA H200": 989e12,
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+}
 
 
 def init_distributed() -> None:
@@ -38,13 +50,9 @@ def init_distributed() -> None:
     if os.environ.get("JAXDIST_COORDINATOR"):
         if os.environ.get("JAXDIST_CPU_COLLECTIVES"):
             jax.config.update("jax_cpu_collectives_implementation", os.environ["JAXDIST_CPU_COLLECTIVES"])
-        jax.distributed.initialize(
-            coordinator_address=os.environ["JAXDIST_COORDINATOR"],
-            num_processes=int(os.environ["JAXDIST_NUM_PROCESSES"]),
-            process_id=int(os.environ["JAXDIST_PROCESS_ID"]),
-        )
+        jax.distributed.initialize(**initialize_args(os.environ))
     elif os.environ.get("SLURM_NTASKS", "1") != "1" or os.environ.get("OMPI_COMM_WORLD_SIZE", "1") != "1":
-        jax.distributed.initialize()
+        jax.distributed.initialize(**initialize_args(os.environ))
 
 
 def model_config(cfg: TrainConfig) -> GPTConfig:
@@ -86,15 +94,10 @@ def make_mesh(cfg: TrainConfig, devices) -> jax.sharding.Mesh:
     return jax.make_mesh(shape, names, devices=devices)
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: TrainConfig, decay_steps: int | None = None) -> optax.GradientTransformation:
+    """AdamW on the warmup + cosine schedule of `decay_steps` steps (default: optim.decay_steps or run.steps)."""
     o = cfg.optim
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=o.lr,
-        warmup_steps=max(1, o.warmup_steps),
-        decay_steps=max(cfg.run.steps, o.warmup_steps + 1),
-        end_value=o.lr * o.min_lr_ratio,
-    )
+    schedule = schedule_lib.make_schedule(o, decay_steps or o.decay_steps or cfg.run.steps)
     # weight decay on every parameter: the strategies hand the optimizer flat shards, so no per-name mask
     return optax.adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay), schedule
 
@@ -182,9 +185,15 @@ def _memory_gb(device) -> float | None:
 class MetricsLog:
     """JSONL (and optionally TensorBoard) metrics, written by process 0."""
 
-    def __init__(self, out_dir: Path, tensorboard: bool):
+    def __init__(self, out_dir: Path, tensorboard: bool, start: int = 0):
         self.enabled = jax.process_index() == 0
-        self.file = (out_dir / "metrics.jsonl").open("a") if self.enabled else None
+        self.file = None
+        if self.enabled:
+            # rows of steps after `start` belong to an attempt that did not reach a checkpoint: they are trained again
+            path = out_dir / "metrics.jsonl"
+            kept = [line for line in _lines(path) if json.loads(line)["step"] <= start]
+            path.write_text("".join(line + "\n" for line in kept))
+            self.file = path.open("a")
         self.tb = None
         if tensorboard and self.enabled:
             try:
@@ -216,12 +225,12 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     `stop_after` ends the run early after that many steps (as an interruption
     would), saving a checkpoint: used to test resuming.
     """
+    validate(cfg)
     init_distributed()
     devices = jax.devices()
     mesh = make_mesh(cfg, devices)
     mcfg = model_config(cfg)
-    out_dir = Path(cfg.run.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = run_dir.prepare(cfg.run)
     source = data_lib.make(cfg.data.source, cfg.data.path, mcfg.vocab_size, mcfg.seq_len, cfg.run.seed)
     batch_axes = tuple(n for n in mesh.axis_names if n != "tp")
     batch_sharding = NamedSharding(mesh, P(batch_axes))
@@ -235,34 +244,32 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     model = GPT(mcfg, nnx.Rngs(cfg.run.seed))
     # host copies: every process passes the same values, which is what a multi-process jit needs
     nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))
-    optimizer, schedule = make_optimizer(cfg)
     example = source.batch(0, cfg.data.batch_size)
     model_meta = {k: (str(v) if k == "dtype" or k == "param_dtype" else v) for k, v in dataclasses.asdict(mcfg).items()}
     layout = layout_of(cfg, mesh)
     ckpt = Checkpoints(out_dir, cfg.run.keep_checkpoints) if cfg.run.checkpoint_every >= 0 else None
 
-    start = 0
-    latest = ckpt.latest() if (ckpt and cfg.run.resume) else None
-    if latest is not None:
-        meta = ckpt.meta(latest)
-        check_same_model(meta, model_meta, ckpt.directory)
-        if meta.get("layout") != layout:  # another mesh or strategy: carry the parameters over
-            params = ckpt.restore_params(latest, nnx.state(model, nnx.Param))
-            nnx.update(model, params)
-            print(f"jaxdist: restored step {latest} parameters onto a new layout {layout}; the optimizer restarts")
+    start, meta, moved_params = 0, None, None
+    found = _newest_checkpoint(ckpt, model, model_meta, layout) if (ckpt and cfg.run.resume) else None
+    if found is not None:
+        start, (meta, moved_params) = found
+        if moved_params is not None:  # another mesh or strategy: carry the parameters over
+            nnx.update(model, moved_params)
+            info(f"restored step {start} parameters onto a new layout {layout}; the optimizer restarts")
+    decay_steps = schedule_lib.decay_steps(cfg, meta, start)
+    optimizer, schedule = make_optimizer(cfg, decay_steps)
     run = parallelize(cfg, mesh, model, optimizer, example)
     state = run.state
-    if latest is not None:
-        if meta.get("layout") == layout:
-            state = ckpt.restore_state(latest, state)
+    if found is not None:
+        if moved_params is None:
+            start, state = _restore_state(ckpt, start, state, layout)
         else:
-            state = dataclasses.replace(state, step=jax.device_put(jnp.asarray(latest, jnp.int32), state.step.sharding))
-        start = latest
-        print(f"jaxdist: resumed from {ckpt.directory} at step {start}")
+            state = dataclasses.replace(state, step=jax.device_put(jnp.asarray(start, jnp.int32), state.step.sharding))
+        info(f"resumed from {ckpt.directory} at step {start}")
         if start >= cfg.run.steps:
-            print(f"jaxdist: the run already has its {cfg.run.steps} steps; raise run.steps to train further")
+            info(f"the run already has its {cfg.run.steps} steps; raise run.steps to train further")
 
-    log = MetricsLog(out_dir, cfg.run.tensorboard)
+    log = MetricsLog(out_dir, cfg.run.tensorboard, start)
     peak = PEAK_FLOPS.get(jax.local_devices()[0].device_kind) if mcfg.dtype == jnp.bfloat16 else None
     tokens_per_step = cfg.data.batch_size * mcfg.seq_len
     flops_step = flops_per_token(mcfg) * tokens_per_step
@@ -270,13 +277,19 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     bar = _progress(cfg, start, end)
     losses: list[float] = []
     pending: list = []
-    meta_out = {"model": model_meta, "layout": layout, "config": cfg.to_dict()}
+    meta_out = {
+        "model": model_meta,
+        "layout": layout,
+        "config": cfg.to_dict(),
+        "schedule": {"decay_steps": decay_steps},
+    }
 
     def save(step: int):
         if ckpt is not None and step > 0 and step != ckpt.latest():  # a resumed, finished run has it already
             ckpt.save(step, state, run.params(state), {**meta_out, "step": step})
 
     step = start
+    summary = _Summary()
     window_start, window_tokens = time.perf_counter(), 0
     guard = StepWatchdog(timeout_from(cfg.run.step_timeout_s), out_dir, process_index=jax.process_index())
     try:
@@ -300,12 +313,14 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
                     "step": step + 1,
                     "loss": loss,
                     "lr": float(schedule(step)),
-                    "grad_norm": float(_host(metrics["grad_norm"])),
+                    "grad_norm": float(_host(metrics["grad_norm"])) if _has_grad_norm(cfg, metrics) else None,
                     "tokens_per_s": tps,
                     "mfu": mfu,
                     "mem_gb": mem,
                     "skipped": bool(_host(metrics["skipped"])) if "skipped" in metrics else False,
                 }
+                row = {k: v for k, v in row.items() if v is not None}  # a metric not computed is left out
+                summary.add(row, window_tokens, elapsed)
                 log.write(row)
                 guard.record(row)
                 bar.update(step + 1, row)
@@ -313,6 +328,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
             if ckpt and cfg.run.checkpoint_every > 0 and (step + 1) % cfg.run.checkpoint_every == 0 and not last:
                 save(step + 1)
         save(end)
+        summary.print(out_dir, ckpt)
     except KeyboardInterrupt:
         # the state after the last finished step: a checkpoint of it, then stop
         done = start + len(losses) + len(pending)
@@ -328,12 +344,74 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     return losses
 
 
+def _lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def _has_grad_norm(cfg: TrainConfig, metrics: dict) -> bool:
+    """FSDP's update_in_backward updates each unit before the global gradient norm exists."""
+    return "grad_norm" in metrics and not (cfg.parallel.fsdp > 1 and cfg.parallel.update_in_backward)
+
+
+def _newest_checkpoint(ckpt: Checkpoints, model: GPT, model_meta: dict, layout: dict):
+    """(step, (meta, params)) of the newest readable checkpoint of this model; params (host arrays) only
+    when it was saved in another layout, for which they are all that carries over."""
+
+    def read(step: int):
+        meta = ckpt.meta(step)
+        check_same_model(meta, model_meta, ckpt.directory)
+        if meta.get("layout") == layout:
+            return meta, None
+        return meta, ckpt.restore_params(step, nnx.state(model, nnx.Param))
+
+    return ckpt.newest_readable(read)
+
+
+def _restore_state(ckpt: Checkpoints, start: int, like, layout: dict):
+    """(step, state) of the newest checkpoint at or before `start` whose exact train state restores."""
+
+    def read(step: int):
+        if step != start and ckpt.meta(step).get("layout") != layout:
+            raise ConfigError(
+                f"checkpoint {ckpt.directory / str(step)} was saved in another layout; resume with that layout "
+                "or set run.overwrite=true to start over"
+            )
+        return ckpt.restore_state(step, like)
+
+    found = ckpt.newest_readable(read, below=start + 1)
+    if found is None:
+        raise CheckpointError(f"no readable checkpoint left in {ckpt.directory}; set run.overwrite=true to start over")
+    return found
+
+
+class _Summary:
+    """The end-of-run line: steps, final loss, mean throughput (without the first, compiling, window)."""
+
+    def __init__(self):
+        self.rows, self.tokens, self.seconds = [], 0, 0.0
+
+    def add(self, row: dict, tokens: int, seconds: float) -> None:
+        if self.rows:  # the first window includes compilation
+            self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
+        self.rows.append(row)
+
+    def print(self, out_dir: Path, ckpt: Checkpoints | None) -> None:
+        if not self.rows:
+            return
+        last = self.rows[-1]
+        tps = self.tokens / self.seconds if self.seconds else last["tokens_per_s"]
+        where = f"metrics in {out_dir / 'metrics.jsonl'}"
+        where += f", checkpoints in {ckpt.directory}" if ckpt else ", no checkpoints (run.checkpoint_every=-1)"
+        info(f"done: step {last['step']}, final loss {last['loss']:.4f}, mean {tps:,.0f} tokens/s; {where}")
+
+
 class _progress:
     """A tqdm bar on process 0 (or plain lines where there is no terminal)."""
 
     def __init__(self, cfg: TrainConfig, start: int, end: int):
         self.bar = None
-        self.plain = not cfg.run.progress or jax.process_index() != 0
+        # a bar needs a terminal: under `jaxdist launch` (pipes) or in a log file, plain lines
+        self.plain = not cfg.run.progress or jax.process_index() != 0 or not sys.stderr.isatty()
         if not self.plain:
             from tqdm import tqdm
 
@@ -342,9 +420,9 @@ class _progress:
 
     def update(self, step: int, row: dict) -> None:
         parts = [f"loss {row['loss']:.4f}", f"{row['tokens_per_s']:,.0f} tok/s"]
-        if row["mfu"] is not None:
+        if "mfu" in row:
             parts.append(f"MFU {100 * row['mfu']:.1f}%")
-        if row["mem_gb"] is not None:
+        if "mem_gb" in row:
             parts.append(f"mem {row['mem_gb']:.1f} GiB")
         text = "  ".join(parts)
         if self.bar is not None:

@@ -1,0 +1,100 @@
+"""Config values no run can use fail at once on one line; `jaxdist train --help` lists every key."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxdist.train import config as config_lib
+from jaxdist.train.config import ConfigError
+from jaxdist.train.data import TextData
+from jaxdist.train.trainer import train
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = ["model.flavor=tiny", "data.batch_size=16", "run.log_every=1", "run.progress=false", "optim.warmup_steps=2"]
+
+
+def cfg(tmp_path, *overrides):
+    return config_lib.load(None, [*BASE, f"run.out_dir={tmp_path / 'run'}", "run.steps=1", *overrides])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["run.steps=0"], "run.steps must be >= 1, got 0"),
+        (["run.steps=-5"], "run.steps must be >= 1, got -5"),
+        (["data.batch_size=0"], "data.batch_size must be >= 1, got 0"),
+        (["optim.accumulation_steps=0"], "optim.accumulation_steps must be >= 1, got 0"),
+        (["model.seq_len=0"], "model.seq_len must be >= 1, got 0"),
+        (["optim.decay_steps=0"], "optim.decay_steps must be >= 1, got 0"),
+        (
+            ["parallel.fsdp=8", "parallel.update_in_backward=true"],
+            "parallel.update_in_backward=true cannot clip by optim.max_grad_norm .*set optim.max_grad_norm=0",
+        ),
+    ],
+)
+def test_unusable_values_fail_with_a_one_line_error(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        train(cfg(tmp_path, *overrides))
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def test_a_directory_as_data_path_is_named_as_such(tmp_path):
+    with pytest.raises(ValueError, match=f"data.path {tmp_path} is a directory; set data.path to a text file"):
+        train(cfg(tmp_path, f"data.path={tmp_path}"))
+
+
+def test_an_unwritable_out_dir_fails_with_a_one_line_error(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match=f"run.out_dir {blocker / 'run'} is not writable .*pick a directory") as e:
+        train(config_lib.load(None, [*BASE, "run.steps=1", f"run.out_dir={blocker / 'run'}"]))
+    assert "\n" not in str(e.value)
+
+
+def test_text_data_reads_any_bytes_not_only_utf8(tmp_path):
+    raw = "café au lait, crème brûlée. ".encode("latin-1") * 20  # 0xe9 is not valid UTF-8
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(raw)
+    data = TextData(path, seq_len=8, seed=0)
+    assert data.tokens.tolist() == list(raw)
+    rows = data.batch(0, 4)["tokens"]
+    assert rows.shape == (4, 9) and rows.max() < 256
+
+
+def test_update_in_backward_logs_no_grad_norm_rather_than_nan(tmp_path):
+    train(cfg(tmp_path, "parallel.fsdp=8", "parallel.update_in_backward=true", "optim.max_grad_norm=0"))
+
+    def no_nan(token):
+        raise AssertionError(f"metrics.jsonl holds {token}")
+
+    rows = [
+        json.loads(line, parse_constant=no_nan)
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert len(rows) == 1 and "grad_norm" not in rows[0] and rows[0]["loss"] > 0
+
+
+def test_cli_rejects_zero_steps_with_one_line_and_a_nonzero_exit(tmp_path):
+    out = tmp_path / "zero"
+    cmd = [sys.executable, "-m", "jaxdist.train.cli", "train", "run.steps=0", f"run.out_dir={out}"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "jaxdist train: error: run.steps must be >= 1, got 0"
+    assert not out.exists()
+
+
+def test_train_help_lists_every_config_key_with_its_default():
+    cmd = [sys.executable, "-m", "jaxdist.train.cli", "train", "--help"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    lines = done.stdout.splitlines()
+    for section in dataclasses.fields(config_lib.TrainConfig):
+        assert f"[{section.name}]" in lines
+        for key in dataclasses.fields(section.default_factory):
+            default = "none" if key.default is None else json.dumps(key.default)
+            assert any(line.split()[:3] == [f"{section.name}.{key.name}", "=", default] for line in lines), key.name

@@ -1,0 +1,133 @@
+"""A run over several invocations: the schedule survives resuming, starting over is explicit, a bad
+checkpoint falls back to the previous one, a failed save stops on one line."""
+
+import errno
+import json
+import math
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from jaxdist.train import config as config_lib
+from jaxdist.train.checkpoint import CheckpointError
+from jaxdist.train.config import ConfigError
+from jaxdist.train.trainer import train
+
+BASE = ["model.flavor=tiny", "data.batch_size=16", "run.log_every=1", "run.progress=false", "optim.warmup_steps=2"]
+LR, MIN_RATIO, WARMUP = 3e-3, 0.1, 2  # the defaults and BASE above
+
+
+def cfg(out_dir, *overrides):
+    return config_lib.load(None, [*BASE, f"run.out_dir={out_dir}", *overrides])
+
+
+def rows(out_dir) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def cosine_lr(step: int, decay_steps: int) -> float:
+    """Linear warmup to LR over WARMUP steps, then cosine down to LR * MIN_RATIO at decay_steps."""
+    if step < WARMUP:
+        return LR * step / WARMUP
+    frac = min(1.0, (step - WARMUP) / (decay_steps - WARMUP))
+    end = LR * MIN_RATIO
+    return end + (LR - end) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def test_raising_run_steps_on_resume_keeps_the_schedule(tmp_path, capsys):
+    out = tmp_path / "run"
+    train(cfg(out, "run.steps=6"), stop_after=3)  # a 6-step schedule, saved at step 3
+    train(cfg(out, "run.steps=12"), stop_after=1)  # extended: step 4 still on the 6-step schedule
+    assert rows(out)[-1]["step"] == 4
+    assert rows(out)[-1]["lr"] == pytest.approx(cosine_lr(3, decay_steps=6), rel=1e-6)
+    assert "warning" not in capsys.readouterr().err
+    # asking for another length is allowed, and said
+    train(cfg(out, "run.steps=12", "optim.decay_steps=12"), stop_after=1)
+    assert "optim.decay_steps changes from 6 to 12: the learning-rate schedule changes from step 4" in (
+        capsys.readouterr().err
+    )
+    assert rows(out)[-1]["lr"] == pytest.approx(cosine_lr(4, decay_steps=12), rel=1e-6)
+
+
+def test_starting_over_needs_overwrite_and_then_replaces_the_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    train(cfg(out, "run.steps=2"))
+    for fresh_start, why in [
+        ("run.resume=false", "run.resume=false"),
+        ("run.checkpoint_every=-1", "run.checkpoint_every=-1 reads no checkpoints"),
+    ]:
+        with pytest.raises(ConfigError, match=f"cannot continue \\({why}\\); set run.overwrite=true to delete it") as e:
+            train(cfg(out, "run.steps=1", fresh_start))
+        assert "\n" not in str(e.value)
+    assert sorted(os.listdir(out / "checkpoints")) == ["2"]  # untouched
+    capsys.readouterr()
+    train(cfg(out, "run.steps=1", "run.resume=false", "run.overwrite=true"))
+    assert [r["step"] for r in rows(out)] == [1]  # the old rows are gone, not appended to
+    assert sorted(os.listdir(out / "checkpoints")) == ["1"]
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.startswith("jaxdist: done: step 1, final loss ")
+    assert f"metrics in {out / 'metrics.jsonl'}, checkpoints in {out / 'checkpoints'}" in summary
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """A 4-step run with checkpoints at steps 2 and 4, and its losses."""
+    out = tmp_path_factory.mktemp("base") / "run"
+    losses = train(cfg(out, "run.steps=4", "run.checkpoint_every=2"))
+    assert sorted(os.listdir(out / "checkpoints"), key=int) == ["2", "4"]
+    return out, losses
+
+
+def _largest_file(directory):
+    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _truncate(step_dir):
+    data = _largest_file(step_dir / "state")
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+
+
+def _flip(step_dir):
+    data = _largest_file(step_dir / "state")
+    raw = bytearray(data.read_bytes())
+    middle = len(raw) // 2
+    raw[middle : middle + 16] = bytes(b ^ 0xFF for b in raw[middle : middle + 16])
+    data.write_bytes(bytes(raw))
+
+
+def _delete_item(step_dir):
+    shutil.rmtree(step_dir / "meta")
+
+
+@pytest.mark.parametrize("corrupt", [_truncate, _flip, _delete_item], ids=["truncated", "flipped", "deleted"])
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(two_checkpoints, tmp_path, capsys, corrupt):
+    base, losses = two_checkpoints
+    out = tmp_path / "run"
+    shutil.copytree(base, out)
+    corrupt(out / "checkpoints" / "4")
+    capsys.readouterr()
+    rest = train(cfg(out, "run.steps=4", "run.checkpoint_every=2"))
+    err = capsys.readouterr().err
+    assert f"warning: checkpoint {out.absolute() / 'checkpoints' / '4'} is unreadable" in err
+    assert err.count("\n") == 1  # one line, no traceback
+    np.testing.assert_array_equal(rest, losses[2:])  # resumed from step 2: the same steps 3 and 4
+    assert [r["step"] for r in rows(out)] == [1, 2, 3, 4]  # the rows of the lost steps are not repeated
+    assert sorted(os.listdir(out / "checkpoints"), key=int) == ["2", "4"]  # step 4 saved again
+    assert train(cfg(out, "run.steps=4", "run.checkpoint_every=2")) == []  # and it reads
+
+
+def test_a_full_disk_during_a_save_stops_on_one_line_and_leaves_no_partial_checkpoint(tmp_path, monkeypatch, capfd):
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler
+
+    async def disk_full(self, x, directory):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", disk_full)
+    out = tmp_path / "run"
+    with pytest.raises(CheckpointError, match="could not save the checkpoint of step 1 .*No space left on device") as e:
+        train(cfg(out, "run.steps=1"))
+    assert "\n" not in str(e.value)
+    assert list((out / "checkpoints").iterdir()) == []  # the temporary directory is gone
+    assert "Traceback" not in capfd.readouterr().err
