@@ -242,13 +242,13 @@ def per_example_reference(cfg: Config, batch) -> np.ndarray:
     return np.asarray(ce.sum(1) / real.sum(1))
 
 
-# -- the published-style model under FSDP, TP and FSDP x TP ------------------------------------
+# -- the published-style model under FSDP, TP and FSDP x TP ----------------------------------------
 
 STEPS = 2
 MESHES = {
-    "fsdp8": ((8,), ("fsdp",), False),
-    "dp4xtp2": ((4, 2), ("dp", "tp"), False),
-    "dp2xfsdp2xtp2-seqpar": ((2, 2, 2), ("dp", "fsdp", "tp"), True),
+    "fsdp8": ((8,), ("fsdp",), {}),
+    "dp4xtp2-remat": ((4, 2), ("dp", "tp"), {"remat": True}),
+    "dp2xfsdp2xtp2-seqpar": ((2, 2, 2), ("dp", "fsdp", "tp"), {"sequence_parallel": True}),
 }
 
 
@@ -259,14 +259,15 @@ def stacked_reference():
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_published_style_transformer_matches_single_device(stacked_reference, mesh_name):
-    """Stacked local/global GQA layers with RoPE positions and a padding mask as side inputs,
-    annotated for FSDP x TP, with the TP plan derived from the annotations: losses, gradient
+    """Stacked local/global GQA layers with RoPE positions and a padding mask as side inputs
+    (whole under sequence parallelism, closed over by remat), annotated for FSDP x TP and
+    created under the mesh, with the TP plan derived from the annotations: losses, gradient
     norms, parameters, per-example losses and the real-token count equal the single device's."""
-    shape, names, seqpar = MESHES[mesh_name]
+    shape, names, options = MESHES[mesh_name]
     mesh = cpu_mesh(shape, names)
     cfg = Config()
     plan = annotated_plan(make_model(cfg)) if "tp" in names else None
-    strategy = Parallel(mesh, plan=plan, sequence_parallel=seqpar)
+    strategy = Parallel(mesh, plan=plan, **options)
     data = batches(STEPS)
     losses, params, run, _, metrics = engine_run(
         strategy, lambda: make_model(cfg, mesh), UNITS, data, optax.adamw(3e-3, weight_decay=0.1)
@@ -275,12 +276,18 @@ def test_published_style_transformer_matches_single_device(stacked_reference, me
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     np.testing.assert_allclose([float(m["grad_norm"]) for m in metrics], ref_norms, rtol=1e-5)
     assert_params_close(params, ref_params)
-    # the optimizer state is the model's stacked tree
+    # the parameters and the optimizer state are the model's stacked tree, the layer axis unsplit
+    q = run.state.params["layers"]["local"]["attn"]["q"]["kernel"]
     mu = run.state.opt_state[0].mu["layers"]["local"]["attn"]["q"]["kernel"]
-    assert mu.shape == (cfg.pairs, cfg.d, cfg.n_heads * cfg.head_dim)
-    aux = metrics[0]["aux"]
-    np.testing.assert_allclose(np.asarray(aux["per_example"]), per_example_reference(cfg, data[0]), rtol=1e-5)
+    assert q.shape == mu.shape == (cfg.pairs, cfg.d, cfg.n_heads * cfg.head_dim)
+    assert q.sharding.shard_shape(q.shape)[0] == cfg.pairs
     n_data = 8 // (2 if "tp" in names else 1)
+    assert_aux_is_the_single_device_one(metrics[0]["aux"], cfg, data[0], n_data=n_data)
+
+
+def assert_aux_is_the_single_device_one(aux, cfg: Config, batch, n_data: int) -> None:
+    """Per-example losses come back for the global batch, the token count averaged over data ranks."""
+    np.testing.assert_allclose(np.asarray(aux["per_example"]), per_example_reference(cfg, batch), rtol=1e-5)
     np.testing.assert_allclose(float(aux["real_tokens"]), sum(LENGTHS) / n_data, rtol=1e-6)
 
 
@@ -305,17 +312,21 @@ def test_plan_from_annotations_places_layers_by_their_axes():
 
 
 def test_blocks_differing_in_static_attributes_and_padding_give_the_single_device_token_mean():
-    """A list of blocks alternating sliding-window / global attention and RoPE bases (static
-    attributes: each block runs its own code) under FSDP over 8 ranks, each holding a different
-    number of real tokens: loss and SGD step are the single-device mean over real tokens."""
+    """The same model with its layers as a list of blocks alternating sliding-window / global
+    attention and RoPE bases (static attributes: each block runs its own code), annotated and
+    created under the mesh, under FSDP over 8 ranks, each holding a different number of real
+    tokens: loss, SGD step and aux are the single device's, the loss the mean over real tokens."""
     cfg = Config(stacked=False)
     data = batches(STEPS)
+    mesh = cpu_mesh((8,), ("fsdp",))
     ref_losses, ref_params, ref_norms = reference(lambda: make_model(cfg), model_loss, data, optax.sgd(0.5))
-    losses, params, *_ = engine_run(
-        Parallel(cpu_mesh((8,), ("fsdp",))), lambda: make_model(cfg), LIST_UNITS, data, optax.sgd(0.5)
+    losses, params, _, _, metrics = engine_run(
+        Parallel(mesh), lambda: make_model(cfg, mesh), LIST_UNITS, data, optax.sgd(0.5)
     )
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    np.testing.assert_allclose([float(m["grad_norm"]) for m in metrics], ref_norms, rtol=1e-5)
     assert_params_close(params, ref_params, atol=1e-5)
+    assert_aux_is_the_single_device_one(metrics[0]["aux"], cfg, data[0], n_data=8)
     # the test can fail: the blocks' windows matter, and a mean of per-rank means is another loss
     same_windows = make_model(cfg)
     same_windows.layers[1].attn.window = cfg.window
