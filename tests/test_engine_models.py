@@ -303,6 +303,9 @@ def test_plan_from_annotations_places_layers_by_their_axes():
         **{f"layers/{b}/down": row for b in ("local", "glob")},
     }
     assert dict(plan.layers) == expected
+    # a list of blocks: one rule per block, by the model's own paths
+    listed = annotated_plan(make_model(Config(stacked=False))).layers
+    assert listed["layers/0/attn/k"] == column and listed["layers/3/down"] == row and len(listed) == 2 + 4 * 7
     # the model dimension onto tp: no placement splits an embedding's features (nor a norm's scale)
     with pytest.raises(ValueError, match="embedder \\(Embed\\) maps embedding axes \\[-1\\]"):
         tp_plan.TPPlan.from_annotations(make_model(Config()), {"embed": "tp"})
