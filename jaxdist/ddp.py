@@ -56,6 +56,9 @@ class DDP:
       reduce_dtype: dtype the gradients are reduced in (e.g. float32 for
         bfloat16 parameters); default the parameter dtype.
       accumulation_steps: micro-batches per step; only the last one reduces.
+        The gradient is the mean over micro-batches (the gradient of the
+        whole batch's mean loss), so lr, clipping and `grad_norm` mean the
+        same as without accumulation.
       skip_nonfinite: when any gradient is NaN/Inf, keep parameters and
         optimizer state unchanged and report `skipped=True`.
       max_grad_norm: clip the reduced gradient to this global L2 norm (exact
@@ -333,8 +336,9 @@ class _BucketSchedule(Schedule):
     def ready(self, b, values):
         bucket = self.layout.buckets[b]
         grads = {i - 1: g for i, g in values.items()}
-        if self.accumulated is not None:
-            grads = {i: g + self.accumulated[i] for i, g in grads.items()}
+        if self.accumulated is not None:  # the mean over micro-batches, like one big batch
+            a = self.cfg.accumulation_steps
+            grads = {i: (g + self.accumulated[i]) / np.asarray(a, g.dtype) for i, g in grads.items()}
         dtype = self.cfg.reduce_dtype or bucket.dtype
         flat = pack_bucket(bucket, grads, dtype)
         op = "mean"
