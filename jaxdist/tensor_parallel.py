@@ -37,6 +37,7 @@ from jaxdist._step import TrainState, local_batch_avals, sharded_step
 from jaxdist.buckets import bucket_layout, pack_bucket, param_name, unpack_bucket
 from jaxdist.comm._backend import get_backend
 from jaxdist.fsdp import _index
+from jaxdist.model_state import check_identical_blocks
 from jaxdist.train import gpt_tp
 
 
@@ -99,6 +100,8 @@ class TPRun:
         self.model_cfg = model.cfg
         self.spec.check(self.model_cfg, cfg.tp)
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        _check_no_model_state(self.rest)
+        check_identical_blocks(model.blocks, "TensorParallel")
         self.template = params
         pure = nnx.to_pure_dict(params)
         self.tied = self.model_cfg.tie_embeddings
@@ -203,7 +206,7 @@ class TPRun:
             metrics=("loss", "grad_norm", "weights_used"),
         )
 
-    def _local_step(self, params, opt_state, batch):
+    def _local_step(self, params, opt_state, model_state, step, batch):
         cfg, spec, ctx = self.cfg, self.spec, self._ctx()
         loops = get_backend(cfg.backend).handles_cross_loops
 
@@ -299,4 +302,15 @@ class TPRun:
         grads = {k: g[:, None] if k == "blocks" else g[None] for k, g in grads.items()}
         updates, new_opt = self.optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        return new_params, new_opt, {"loss": loss, "grad_norm": norm, "weights_used": used}
+        return new_params, new_opt, model_state, {"loss": loss, "grad_norm": norm, "weights_used": used}
+
+
+def _check_no_model_state(rest: nnx.State) -> None:
+    """TP runs the model through `spec`'s own forward, which reads parameters only: refuse anything else."""
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(rest))[0]]
+    if paths:
+        raise ValueError(
+            f"TensorParallel: the model has non-parameter variables {paths[:4]}{' ...' if len(paths) > 4 else ''} "
+            "(dropout RNG streams, batch statistics or constants) that its tensor-parallel forward would ignore; "
+            "remove them or train with DDP or FSDP, which carry them"
+        )
