@@ -307,10 +307,11 @@ class TPRun:
 
 def _check_no_model_state(rest: nnx.State) -> None:
     """TP runs the model through `spec`'s own forward, which reads parameters only: refuse anything else."""
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(rest))[0]]
+    paths = [param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(rest))[0]]
     if paths:
+        shown = ", ".join(paths[:4]) + (", ..." if len(paths) > 4 else "")
         raise ValueError(
-            f"TensorParallel: the model has non-parameter variables {paths[:4]}{' ...' if len(paths) > 4 else ''} "
+            f"TensorParallel: the model has non-parameter variables ({shown}) "
             "(dropout RNG streams, batch statistics or constants) that its tensor-parallel forward would ignore; "
             "remove them or train with DDP or FSDP, which carry them"
         )
