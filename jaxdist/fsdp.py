@@ -189,9 +189,10 @@ class FSDPRun:
                     "must own its variables (give each block its own, e.g. its own dropout RNG stream)"
                 )
         self.blocks_rest = {units.blocks: in_model} if units.blocks in rest else {}  # completes the outer model
-        self.outer_state = ModelState(nnx.State({k: v for k, v in rest.items() if k != units.blocks}))
+        outer_rest = nnx.State({k: v for k, v in rest.items() if k != units.blocks})
+        self.outer_state = ModelState(outer_rest)
         model_state = {
-            "outer": self.outer_state.store(nnx.State({k: v for k, v in rest.items() if k != units.blocks})),
+            "outer": self.outer_state.store(outer_rest),
             "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *map(self.block_state.store, block_rests)),
         }
 
