@@ -267,7 +267,7 @@ def _bn_stats(model):
     return nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "ddp-accumulate", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "ddp-accumulate", "fsdp", "hsdp-update-in-backward"])
 def test_batchnorm_uses_local_batches_and_averages_running_stats(dp_mesh, fsdp_mesh, strategy):
     make = lambda: Net([1.0, 0.5], nnx.Rngs(0), batchnorm=True)
     # 16 samples per rank: statistics of only 2 samples (8 ranks, 2 micro-batches of a 32 batch) make
@@ -277,6 +277,9 @@ def test_batchnorm_uses_local_batches_and_averages_running_stats(dp_mesh, fsdp_m
     ref_losses, ref_model = per_rank_reference(make, net_loss, batches, 0.1, accumulation)
     if strategy == "fsdp":
         run = FSDP(fsdp_mesh).prepare(make(), optax.sgd(0.1), UNITS, batches[0])
+    elif strategy == "hsdp-update-in-backward":  # data ranks over two axes; the model state path of the fused update
+        cfg = FSDP(cpu_mesh((2, 4), ("dp", "fsdp")), dp_axis="dp", update_in_backward=True, skip_nonfinite=False)
+        run = cfg.prepare(make(), optax.sgd(0.1), UNITS, batches[0])
     else:
         cfg = DDP(dp_mesh, zero1=strategy == "zero1", accumulation_steps=accumulation)
         run = cfg.prepare(make(), optax.sgd(0.1), net_loss, batches[0])
