@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from results import append_result  # noqa: E402
+from xla_auto import AutoShardedRun  # noqa: E402
 
 from jaxdist.comm import nccl  # noqa: E402
 from jaxdist.ddp import DDP  # noqa: E402
@@ -54,7 +55,6 @@ from jaxdist.engine import Parallel  # noqa: E402
 from jaxdist.fsdp import FSDP, Units  # noqa: E402
 from jaxdist.train.gpt import FLAVORS, GPT, UNITS, embed_inputs, head_loss, next_token_loss, tp_plan_for  # noqa: E402
 from jaxdist.train.trainer import flops_per_token  # noqa: E402
-from jaxdist.xla_auto import AutoShardedRun  # noqa: E402
 
 DATASHEET_BF16_PEAK = {"H100": 989e12, "H200": 989e12}  # dense, per GPU, by a substring of device_kind
 RESULT = "STRATEGIES_RESULT "  # how a child's JSON line starts

@@ -14,11 +14,13 @@ from jax.sharding import PartitionSpec as P
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TrainState:
-    """What a step updates: parameters (in the strategy's storage layout), optimizer state, step."""
+    """What a step updates: parameters (in the strategy's storage layout), optimizer state, step, and
+    the model's other variables (RNG streams, batch statistics; `jaxdist.model_state`), replicated."""
 
     params: Any
     opt_state: Any
     step: jax.Array
+    model_state: Any = dataclasses.field(default_factory=dict)
 
 
 def local_batch_avals(batch, ranks: int, who: str, fix: str):
@@ -45,15 +47,16 @@ def sharded_step(
     batch_spec: P,
     metrics: Sequence[str],
 ) -> tuple[TrainState, dict]:
-    """Run `local_step(params, opt_state, batch) -> (params, opt_state, metrics)` under shard_map
-    (the batch placed along `batch_spec`, every metric replicated) and count the step."""
+    """Run `local_step(params, opt_state, model_state, step, batch) -> (params, opt_state, model_state,
+    metrics)` under shard_map (the batch placed along `batch_spec`; model state, step and metrics
+    replicated) and count the step."""
     batch = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, batch_spec)), batch)
     body = jax.shard_map(
         local_step,
         mesh=mesh,
-        in_specs=(param_specs, opt_specs, batch_spec),
-        out_specs=(param_specs, opt_specs, {name: P() for name in metrics}),
+        in_specs=(param_specs, opt_specs, P(), P(), batch_spec),
+        out_specs=(param_specs, opt_specs, P(), {name: P() for name in metrics}),
         check_vma=False,
     )
-    params, opt_state, out = body(state.params, state.opt_state, batch)
-    return TrainState(params, opt_state, state.step + 1), out
+    params, opt_state, model_state, out = body(state.params, state.opt_state, state.model_state, state.step, batch)
+    return TrainState(params, opt_state, state.step + 1, model_state), out
