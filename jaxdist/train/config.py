@@ -58,9 +58,12 @@ class OptimConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    source: str = "text"  # "text" (byte-level, the file below) or "synthetic"
-    path: str = ""  # default: the corpus shipped with jaxdist
+    source: str = "text"  # "text" (the file below, prepared into out_dir/data), "shards" or "synthetic"
+    path: str = ""  # text: a text file (default: the shipped corpus); shards: a `jaxdist prepare-data` directory
     batch_size: int = 16  # global, sequences per step
+    tokenizer: str = "bytes"  # text: "bytes", "bpe:N" (learnt on the text) or a tokenizer.json path
+    val_fraction: float = 0.1  # text: the share of the file held out for validation
+    stride: int = 0  # tokens between the starts of consecutive sequences; 0: seq_len (no overlap)
 
 
 @dataclasses.dataclass
@@ -72,6 +75,10 @@ class RunConfig:
     checkpoint_every: int = 100  # 0: only at the end
     keep_checkpoints: int = 2
     resume: bool = True  # continue from the newest checkpoint in out_dir if there is one
+    eval_every: int = 0  # validation loss every this many steps and at the end; 0: never
+    eval_batches: int = 4  # validation batches (of data.batch_size) per evaluation
+    sample_tokens: int = 0  # at the end, print this many generated tokens after sample_prompt
+    sample_prompt: str = ""
     tensorboard: bool = False
     progress: bool = True
 

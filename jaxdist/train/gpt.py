@@ -75,10 +75,28 @@ class Block(nnx.Module):
         self.out = _dense(cfg, cfg.ff, d, rngs, proj_scale)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        q, k, v = self._heads(x)
+        att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
+        return self._after_attention(x, att)
+
+    def decode(self, x: jax.Array, cache: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """`__call__` for the tokens at positions pos, pos + 1, ... given the keys and values of the
+        earlier ones in `cache` ([2, batch, seq_len, heads, head_dim]); returns (x, updated cache)."""
+        q, k, v = self._heads(x)
+        start = (0, pos, 0, 0)
+        keys = jax.lax.dynamic_update_slice(cache[0], k.astype(cache.dtype), start)
+        values = jax.lax.dynamic_update_slice(cache[1], v.astype(cache.dtype), start)
+        causal = jnp.arange(keys.shape[1])[None, :] <= pos + jnp.arange(x.shape[1])[:, None]
+        att = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=causal[None, None])
+        return self._after_attention(x, att), jnp.stack([keys, values])
+
+    def _heads(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         b, t, d = x.shape
         q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
-        heads = lambda a: a.reshape(b, t, self.n_heads, d // self.n_heads)
-        att = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=True, implementation=self.attention)
+        return tuple(a.reshape(b, t, self.n_heads, d // self.n_heads) for a in (q, k, v))
+
+    def _after_attention(self, x: jax.Array, att: jax.Array) -> jax.Array:
+        b, t, d = x.shape
         x = x + self.proj(att.reshape(b, t, d))
         return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
 
@@ -108,6 +126,21 @@ class GPT(nnx.Module):
         for block in self.blocks:
             x = block(x)
         return self.logits(x)
+
+    def empty_cache(self, batch: int) -> jax.Array:
+        """Keys and values for `decode`: [n_layers, 2, batch, seq_len, heads, head_dim] zeros."""
+        c = self.cfg
+        return jnp.zeros((c.n_layers, 2, batch, c.seq_len, c.n_heads, c.d_model // c.n_heads), c.dtype)
+
+    def decode(self, tokens: jax.Array, cache: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Logits of `tokens` placed at positions pos, pos + 1, ... after those cached: the same
+        values as `__call__` on the whole sequence (tests/test_sample.py), one chunk at a time."""
+        x = self.wte(tokens) + self.wpe(pos + jnp.arange(tokens.shape[1]))[None]
+        layers = []
+        for block, layer in zip(self.blocks, cache, strict=True):
+            x, layer = block.decode(x, layer, pos)
+            layers.append(layer)
+        return self.logits(x), jnp.stack(layers)
 
 
 def embed_inputs(model: GPT, batch: dict) -> jax.Array:

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.train import data as data_lib
+from jaxdist.train import hooks
 from jaxdist.train.checkpoint import Checkpoints, check_same_model
 from jaxdist.train.config import ConfigError, TrainConfig
 from jaxdist.train.gpt import FLAVORS, GPT, GPTConfig, embed_inputs, head_loss, next_token_loss
@@ -159,11 +159,6 @@ def _host(x) -> np.ndarray:
     return np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else np.asarray(x)
 
 
-def _global_batch(batch: dict, sharding) -> dict:
-    """Place each process's rows of the global batch on its own devices."""
-    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in batch.items()}
-
-
 def _memory_gb(device) -> float | None:
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return stats["bytes_in_use"] / 2**30 if stats and "bytes_in_use" in stats else None
@@ -212,7 +207,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     mcfg = model_config(cfg)
     out_dir = Path(cfg.run.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    source = data_lib.make(cfg.data.source, cfg.data.path, mcfg.vocab_size, mcfg.seq_len, cfg.run.seed)
+    source = hooks.source(cfg, "train", mcfg, out_dir)
     batch_axes = tuple(n for n in mesh.axis_names if n != "tp")
     batch_sharding = NamedSharding(mesh, P(batch_axes))
     n_batch = int(np.prod([mesh.shape[a] for a in batch_axes])) * cfg.optim.accumulation_steps
@@ -226,7 +221,9 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     # host copies: every process passes the same values, which is what a multi-process jit needs
     nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))
     optimizer, schedule = make_optimizer(cfg)
-    example = source.batch(0, cfg.data.batch_size)
+    loader = hooks.Loader(source, cfg.data.batch_size, batch_sharding)
+    example = {"tokens": np.zeros(loader.shape, np.int32)}
+    evaluator = hooks.evaluator(cfg, mcfg, out_dir, batch_sharding)
     model_meta = {k: (str(v) if k == "dtype" or k == "param_dtype" else v) for k, v in dataclasses.asdict(mcfg).items()}
     layout = layout_of(cfg, mesh)
     ckpt = Checkpoints(out_dir, cfg.run.keep_checkpoints) if cfg.run.checkpoint_every >= 0 else None
@@ -236,6 +233,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     if latest is not None:
         meta = ckpt.meta(latest)
         check_same_model(meta, model_meta, ckpt.directory)
+        hooks.check_same_data(meta, source)
         if meta.get("layout") != layout:  # another mesh or strategy: carry the parameters over
             params = ckpt.restore_params(latest, nnx.state(model, nnx.Param))
             nnx.update(model, params)
@@ -260,7 +258,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     bar = _progress(cfg, start, end)
     losses: list[float] = []
     pending: list = []
-    meta_out = {"model": model_meta, "layout": layout, "config": cfg.to_dict()}
+    meta_out = {"model": model_meta, "layout": layout, "config": cfg.to_dict(), "data": source.state()}
 
     def save(step: int):
         if ckpt is not None and step > 0 and step != ckpt.latest():  # a resumed, finished run has it already
@@ -268,14 +266,15 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
 
     step = start
     window_start, window_tokens = time.perf_counter(), 0
+    batches = loader.batches(start)  # the data's whole state is the step: see jaxdist.train.shards
     try:
         for step in range(start, end):
-            batch = _global_batch(source.batch(step, cfg.data.batch_size), batch_sharding)
-            state, metrics = run.step(state, batch)
+            state, metrics = run.step(state, next(batches))
             pending.append(metrics["loss"])  # read back only when logging: no host sync per step
             window_tokens += tokens_per_step
             last = step + 1 == end
-            if (step + 1) % max(1, cfg.run.log_every) == 0 or last or step == start:
+            evaluate = evaluator is not None and ((step + 1) % cfg.run.eval_every == 0 or last)
+            if (step + 1) % max(1, cfg.run.log_every) == 0 or last or step == start or evaluate:
                 losses.extend(float(_host(x)) for x in pending)
                 pending.clear()
                 loss = losses[-1]
@@ -294,12 +293,16 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
                     "mem_gb": mem,
                     "skipped": bool(_host(metrics["skipped"])) if "skipped" in metrics else False,
                 }
+                if evaluate:
+                    row["val_loss"] = evaluator(run.model(state))
                 log.write(row)
                 bar.update(step + 1, row)
                 window_start, window_tokens = time.perf_counter(), 0
             if ckpt and cfg.run.checkpoint_every > 0 and (step + 1) % cfg.run.checkpoint_every == 0 and not last:
                 save(step + 1)
         save(end)
+        if cfg.run.sample_tokens > 0 and end > start:
+            hooks.print_sample(cfg, run.model(state), source)
     except KeyboardInterrupt:
         # the state after the last finished step: a checkpoint of it, then stop
         done = start + len(losses) + len(pending)
@@ -328,6 +331,8 @@ class _progress:
 
     def update(self, step: int, row: dict) -> None:
         parts = [f"loss {row['loss']:.4f}", f"{row['tokens_per_s']:,.0f} tok/s"]
+        if "val_loss" in row:
+            parts.insert(1, f"val {row['val_loss']:.4f}")
         if row["mfu"] is not None:
             parts.append(f"MFU {100 * row['mfu']:.1f}%")
         if row["mem_gb"] is not None:
