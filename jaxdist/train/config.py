@@ -63,7 +63,7 @@ class DataConfig:
     batch_size: int = 16  # global, sequences per step
     tokenizer: str = "bytes"  # text: "bytes", "bpe:N" (learnt on the text) or a tokenizer.json path
     val_fraction: float = 0.1  # text: the share of the file held out for validation
-    stride: int = 0  # tokens between the starts of consecutive sequences; 0: seq_len (no overlap)
+    stride: int = 0  # training: tokens between the starts of consecutive sequences; 0: seq_len (no overlap)
 
 
 @dataclasses.dataclass

@@ -65,4 +65,6 @@ def make(data: DataConfig, split: str, vocab_size: int, seq_len: int, seed: int,
             f"the data's tokenizer has {vocab} tokens but model.vocab_size={vocab_size}; "
             f"set model.vocab_size >= {vocab}"
         )
-    return ShardData(directory, split, seq_len, seed, data.stride or seq_len, shuffle=split == "train")
+    # validation: disjoint sequences in order, whatever data.stride says for training
+    stride = (data.stride or seq_len) if split == "train" else seq_len
+    return ShardData(directory, split, seq_len, seed, stride, shuffle=split == "train")
