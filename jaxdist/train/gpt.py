@@ -3,6 +3,8 @@
 The model knows nothing about parallelism; jaxdist's strategies wrap it from
 outside. The three parts are separate methods (`embed`, `blocks`, `logits`)
 so a strategy that works unit by unit (FSDP) can call them one at a time.
+`decode` runs the same blocks a chunk of positions at a time against a cache of
+keys and values, for generation (jaxdist.train.sample).
 """
 
 from __future__ import annotations
