@@ -18,6 +18,7 @@ files; it is written to a temporary directory and renamed when complete.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ FORMAT = "jaxdist-shards/1"
 INDEX = "index.json"
 SPLITS = ("train", "val")
 CHUNK_BYTES = 1 << 20  # text is tokenized in chunks of about this size, cut at line breaks
+ENCODE_BATCH = 16  # chunks handed to the tokenizer at once
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 per shard
 
 
@@ -187,9 +189,11 @@ def prepare(
             for split, (start, end) in zip(SPLITS, [(0, cut), (cut, size)], strict=True):
                 if start == end:
                     continue
-                for text in _chunks(f, start, end):
-                    writers[split].write(tok.encode(text))
-                    bar.update(len(text.encode("utf-8")))
+                chunks = _chunks(f, start, end)
+                while texts := list(itertools.islice(chunks, ENCODE_BATCH)):
+                    for ids in tok.encode_batch(texts):  # the tokenizers library encodes a batch in parallel
+                        writers[split].write(ids)
+                    bar.update(sum(len(t.encode("utf-8")) for t in texts))
                 if tok.end_of_text is not None:
                     writers[split].write(np.array([tok.end_of_text]))
         bar.close()
