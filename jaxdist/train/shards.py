@@ -3,7 +3,7 @@
 A split's shards are memory-mapped and seen as one token array. Row r of the
 split is the `seq_len + 1` tokens starting at r * stride. The global batch of
 step s holds samples s*B .. s*B + B - 1 of an endless stream in which epoch e is
-a permutation of all rows seeded by (seed + e) (grain's `shuffle` then `repeat`).
+a permutation of all rows seeded by (seed, e) (grain's `shuffle` then `repeat`).
 So a batch depends only on (seed, step) and the data, never on what was read
 before: the loader's whole state is the step number, a resumed run continues
 exactly where it stopped, and it does so for any process count, because each
@@ -110,7 +110,9 @@ class ShardData:
         """The endless sample stream: each epoch a fresh permutation of the rows (or the rows in order)."""
         rows = grain.MapDataset.source(self.windows)
         if self.shuffle:
-            rows = rows.shuffle(seed=self.seed % 2**32)
+            # grain seeds epoch e with base + e: spread the bases so runs with seeds s and s + 1 do not
+            # share epoch orders one epoch apart
+            rows = rows.shuffle(seed=(self.seed * 0x9E3779B1 + 1) % 2**32)
         return rows.repeat()
 
     def dataset(self, batch_size: int, rows: Sequence[int]) -> grain.MapDataset:
