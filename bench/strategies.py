@@ -161,7 +161,9 @@ def measure(flavor: str, config: str, per_gpu_batch: int, steps: int) -> dict:
     t0 = time.perf_counter()
     # built on the host, so the GPUs hold only what the strategy puts there (its peak memory is its own)
     with jax.default_device(host_device()):
-        run, batch = builder(GPT(cfg, nnx.Rngs(0)), devices, batch_for, backend)
+        model = GPT(cfg, nnx.Rngs(0))
+        nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))  # host arrays, committed to no device
+    run, batch = builder(model, devices, batch_for, backend)
     setup = time.perf_counter() - t0
     state, metrics = run.step(run.state, batch)  # compiles
     jax.block_until_ready(state)
