@@ -60,3 +60,26 @@ def sharded_step(
     )
     params, opt_state, model_state, out = body(state.params, state.opt_state, state.model_state, state.step, batch)
     return TrainState(params, opt_state, state.step + 1, model_state), out
+
+
+class PlacedStep:
+    """`jit(step, donate state)` whose batch is first put on the strategy's own batch sharding.
+
+    A strategy that computes on its own copy of the mesh (e.g. with Auto axes, so XLA places the
+    optimizer math) must not mix shardings of two mesh objects in one program (jax >= 0.11 refuses
+    it): a batch sharded over the caller's mesh is moved onto the strategy's first, outside jit.
+    `lower` does the same, for reading the compiled program.
+    """
+
+    def __init__(self, step: Callable, batch_sharding: NamedSharding):
+        self.jitted = jax.jit(step, donate_argnums=0)
+        self.batch_sharding = batch_sharding
+
+    def _place(self, batch):
+        return jax.tree.map(lambda x: jax.device_put(x, self.batch_sharding), batch)
+
+    def __call__(self, state, batch):
+        return self.jitted(state, self._place(batch))
+
+    def lower(self, state, batch):
+        return self.jitted.lower(state, self._place(batch))
