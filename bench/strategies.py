@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from results import append_result  # noqa: E402
+from xla_auto import AutoShardedRun  # noqa: E402
 
 from jaxdist.comm import nccl  # noqa: E402
 from jaxdist.ddp import DDP  # noqa: E402
@@ -54,7 +55,6 @@ from jaxdist.engine import Parallel  # noqa: E402
 from jaxdist.fsdp import FSDP, Units  # noqa: E402
 from jaxdist.train.gpt import FLAVORS, GPT, UNITS, embed_inputs, head_loss, next_token_loss, tp_plan_for  # noqa: E402
 from jaxdist.train.trainer import flops_per_token  # noqa: E402
-from jaxdist.xla_auto import AutoShardedRun  # noqa: E402
 
 DATASHEET_BF16_PEAK = {"H100": 989e12, "H200": 989e12}  # dense, per GPU, by a substring of device_kind
 RESULT = "STRATEGIES_RESULT "  # how a child's JSON line starts
@@ -161,7 +161,9 @@ def measure(flavor: str, config: str, per_gpu_batch: int, steps: int) -> dict:
     t0 = time.perf_counter()
     # built on the host, so the GPUs hold only what the strategy puts there (its peak memory is its own)
     with jax.default_device(host_device()):
-        run, batch = builder(GPT(cfg, nnx.Rngs(0)), devices, batch_for, backend)
+        model = GPT(cfg, nnx.Rngs(0))
+        nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))  # host arrays, committed to no device
+    run, batch = builder(model, devices, batch_for, backend)
     setup = time.perf_counter() - t0
     state, metrics = run.step(run.state, batch)  # compiles
     jax.block_until_ready(state)

@@ -27,7 +27,7 @@ import jax
 from jax import lax
 
 from jaxdist import comm
-from jaxdist.comm._backend import op_site
+from jaxdist.comm import op_site
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,7 @@ from jaxdist import comm
 from jaxdist._interleave import LAZY, Schedule, eval_interleaved, first_use_order
 from jaxdist._step import TrainState, local_batch_avals, sharded_step
 from jaxdist.buckets import DEFAULT_BUCKET_SIZE, BucketLayout, bucket_layout, pack_bucket, unpack_bucket
+from jaxdist.model_state import ModelState, keep_if, split_for_training
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,9 @@ class DDP:
       reduce_dtype: dtype the gradients are reduced in (e.g. float32 for
         bfloat16 parameters); default the parameter dtype.
       accumulation_steps: micro-batches per step; only the last one reduces.
+        The gradient is the mean over micro-batches (the gradient of the
+        whole batch's mean loss), so lr, clipping and `grad_norm` mean the
+        same as without accumulation.
       skip_nonfinite: when any gradient is NaN/Inf, keep parameters and
         optimizer state unchanged and report `skipped=True`.
       max_grad_norm: clip the reduced gradient to this global L2 norm (exact
@@ -105,8 +109,10 @@ class DDP:
         """Lay out buckets, shard the state, and build the train step.
 
         Args:
-          model: a Flax NNX module; its `nnx.Param`s are trained, every other
-            variable is a constant.
+          model: a Flax NNX module; its `nnx.Param`s are trained. The step runs
+            it in train mode; its other variables (dropout RNG streams, batch
+            statistics) are the train state's `model_state`: see
+            `jaxdist.model_state` for how they advance per rank and step.
           optimizer: an optax transformation. Under zero1 it sees each bucket's
             flat shard as one leaf, so it must be elementwise (adam, adamw
             without a mask, sgd, lion, ...); use `max_grad_norm` for clipping.
@@ -124,7 +130,10 @@ class DDPRun:
         self.cfg = cfg
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.graphdef, params, rest = split_for_training(model)
+        self.model_state = ModelState(rest)
+        stored = self.model_state.store(rest)
+        self.stored_avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), stored)
         leaves, self.treedef = jax.tree.flatten(params)
         self.param_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
         self.batch_spec = P(cfg.axis)
@@ -140,7 +149,7 @@ class DDPRun:
             shared=cfg.shared,
             pad_for_nccl=cfg.pad_for_nccl,
         )
-        self.state = self._init_state(params)
+        self.state = self._init_state(params, stored)
         self.step = jax.jit(self._step, donate_argnums=0)
 
     # -- tracing helpers -----------------------------------------------------
@@ -150,19 +159,24 @@ class DDPRun:
         fix = f"dp * accumulation_steps = {per_step}; change the batch size or accumulation_steps"
         return local_batch_avals(batch, per_step, "DDP", fix)
 
-    def _loss_of_leaves(self, leaves, batch):
-        model = nnx.merge(self.graphdef, self.treedef.unflatten(leaves), self.rest)
-        return self.loss_fn(model, batch)
+    def _loss_of_leaves(self, leaves, stored, batch):
+        """`(loss, model state after the forward)` of one micro-batch."""
+        params = self.treedef.unflatten(leaves)
+        return self.model_state.apply(self.graphdef, params, stored, lambda model: self.loss_fn(model, batch))
+
+    def _grad_fn(self):
+        return jax.value_and_grad(self._loss_of_leaves, has_aux=True)
 
     def _grad_jaxpr(self):
-        return jax.make_jaxpr(jax.value_and_grad(self._loss_of_leaves))(self.param_avals, self.micro_batch)
+        """Inputs: parameter leaves, model state leaves, batch leaves; outputs: loss, model state, gradients."""
+        return jax.make_jaxpr(self._grad_fn())(self.param_avals, self.stored_avals, self.micro_batch)
 
     # -- state ---------------------------------------------------------------
 
     def _sharding(self, spec) -> NamedSharding:
         return NamedSharding(self.cfg.mesh, spec)
 
-    def _init_state(self, params) -> TrainState:
+    def _init_state(self, params, stored) -> TrainState:
         leaves = self.treedef.flatten_up_to(params)
         if self.cfg.zero1:
             shard = self._sharding(P(self.cfg.axis))
@@ -171,7 +185,8 @@ class DDPRun:
         else:
             state_params = jax.device_put(params, self._sharding(P()))
         opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_shardings(state_params))(state_params)
-        return TrainState(state_params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), self._sharding(P())))
+        step = jax.device_put(jnp.zeros((), jnp.int32), self._sharding(P()))
+        return TrainState(state_params, opt_state, step, jax.device_put(stored, self._sharding(P())))
 
     def _opt_specs(self, params):
         """Under zero1 every non-scalar optimizer leaf is a bucket shard; everything else is replicated."""
@@ -193,8 +208,10 @@ class DDPRun:
         return self.treedef.unflatten([leaves[i] for i in range(len(leaves))])
 
     def model(self, state: TrainState) -> nnx.Module:
-        """An NNX model holding the parameters of `state`."""
-        return nnx.merge(self.graphdef, self.params(state), self.rest)
+        """An NNX model (in train mode; call `.eval()` for inference) holding the parameters and the
+        model state (e.g. running statistics) of `state`."""
+        rest = self.model_state.load(jax.device_put(state.model_state, self._sharding(P())))
+        return nnx.merge(self.graphdef, self.params(state), rest)
 
     # -- the step ------------------------------------------------------------
 
@@ -211,15 +228,17 @@ class DDPRun:
             metrics=("loss", "grad_norm", "skipped"),
         )
 
-    def _local_step(self, params, opt_state, batch):
+    def _local_step(self, params, opt_state, model_state, step, batch):
         cfg = self.cfg
         tok = comm.token()
         a = cfg.accumulation_steps
+        stored = self.model_state.for_step(model_state, jax.lax.axis_index(cfg.axis), step)
+        n_stored = len(jax.tree.leaves(stored))
         micro = jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), batch)
         closed = self._grad_jaxpr()
         n = len(self.param_avals)
         by_bucket = {i: self._bucket_of[i] for i in range(n)}
-        sched = _BucketSchedule(self, tok, params if cfg.zero1 else None, first_use_order(closed, by_bucket))
+        sched = _BucketSchedule(self, tok, params if cfg.zero1 else None, first_use_order(closed, by_bucket), n_stored)
         if cfg.zero1 and (a > 1 or not cfg.overlap_param_gather):
             leaves = sched.gather_all()
         elif cfg.zero1:
@@ -227,31 +246,36 @@ class DDPRun:
         else:
             leaves = self.treedef.flatten_up_to(params)
         loss_sum = jnp.zeros((), jnp.float32)
-        if a > 1:  # no_sync micro-batches: local gradients only, summed
-            grad_fn = jax.value_and_grad(self._loss_of_leaves)
+        if a > 1:  # no_sync micro-batches: local gradients only, summed; the model state runs on through them
+            grad_fn = self._grad_fn()
 
             def accumulate(carry, mb):
-                loss, grads = grad_fn(leaves, mb)
-                return (carry[0] + loss, [g + d for g, d in zip(carry[1], grads, strict=True)]), None
+                loss_sum, acc, stored = carry
+                (loss, stored), grads = grad_fn(leaves, stored, mb)
+                return (loss_sum + loss, [g + d for g, d in zip(acc, grads, strict=True)], stored), None
 
             zeros = [jnp.zeros(x.shape, x.dtype) for x in self.param_avals]
             first = jax.tree.map(lambda x: x[:-1], micro)
-            (loss_sum, acc), _ = jax.lax.scan(accumulate, (loss_sum, zeros), first)
+            (loss_sum, acc, stored), _ = jax.lax.scan(accumulate, (loss_sum, zeros, stored), first)
             sched.accumulated = acc
         last = jax.tree.map(lambda x: x[-1], micro)
         lazy = by_bucket if leaves[0] is LAZY else {}
-        watch = {1 + i: b for i, b in by_bucket.items()}
-        args = [*leaves, *jax.tree.leaves(last)]
+        first_grad = 1 + n_stored  # outputs: loss, model state, gradients
+        watch = {first_grad + i: b for i, b in by_bucket.items()}
+        args = [*leaves, *jax.tree.leaves(stored), *jax.tree.leaves(last)]
         if not cfg.overlap_grad_reduce:
             watch = {}
-        loss, *grads = eval_interleaved(closed, args, sched, lazy=lazy, watch=watch)
+        loss, *outs = eval_interleaved(closed, args, sched, lazy=lazy, watch=watch)
+        stored, grads = jax.tree.unflatten(jax.tree.structure(stored), outs[:n_stored]), outs[n_stored:]
         if not cfg.overlap_grad_reduce:
             for b in range(len(self.layout)):
-                sched.ready(b, {1 + s.leaf: grads[s.leaf] for s in self.layout.buckets[b].slots})
+                sched.ready(b, {first_grad + s.leaf: grads[s.leaf] for s in self.layout.buckets[b].slots})
         reduced = sched.drain()
         loss = (loss_sum + loss.astype(jnp.float32)) / a
         loss, tok = comm.all_reduce(loss, cfg.axis, sched.tok, op="mean", backend=cfg.backend)
-        return self._update(params, opt_state, reduced, loss, tok)
+        new_model_state, tok = self.model_state.after_step(model_state, stored, cfg.axis, tok, cfg.backend)
+        new_params, new_opt, metrics = self._update(params, opt_state, reduced, loss, tok)
+        return new_params, new_opt, keep_if(metrics["skipped"], new_model_state, model_state), metrics
 
     @functools.cached_property
     def _bucket_of(self) -> dict[int, int]:
@@ -278,9 +302,7 @@ class DDPRun:
         skipped = jnp.zeros((), jnp.bool_)
         if cfg.skip_nonfinite:
             skipped = ~jnp.isfinite(norm)  # a NaN/Inf anywhere makes the global norm non-finite
-            keep = lambda new, old: jnp.where(skipped, old, new)
-            new_params = jax.tree.map(keep, new_params, params)
-            new_opt = jax.tree.map(keep, new_opt, opt_state)
+            new_params, new_opt = keep_if(skipped, (new_params, new_opt), (params, opt_state))
         return new_params, new_opt, {"loss": loss, "grad_norm": norm, "skipped": skipped}
 
 
@@ -295,8 +317,9 @@ class _BucketSchedule(Schedule):
     when the current one is waited, just before its first use.
     """
 
-    def __init__(self, run: DDPRun, tok, shards, gather_order):
+    def __init__(self, run: DDPRun, tok, shards, gather_order, n_stored: int):
         self.cfg, self.layout = run.cfg, run.layout
+        self.first_grad = 1 + n_stored  # the index of the first gradient among the step's outputs
         self.tok = tok
         self.shards = shards
         self.accumulated = None
@@ -332,9 +355,10 @@ class _BucketSchedule(Schedule):
 
     def ready(self, b, values):
         bucket = self.layout.buckets[b]
-        grads = {i - 1: g for i, g in values.items()}
-        if self.accumulated is not None:
-            grads = {i: g + self.accumulated[i] for i, g in grads.items()}
+        grads = {i - self.first_grad: g for i, g in values.items()}
+        if self.accumulated is not None:  # the mean over micro-batches, like one big batch
+            a = self.cfg.accumulation_steps
+            grads = {i: (g + self.accumulated[i]) / np.asarray(a, g.dtype) for i, g in grads.items()}
         dtype = self.cfg.reduce_dtype or bucket.dtype
         flat = pack_bucket(bucket, grads, dtype)
         op = "mean"

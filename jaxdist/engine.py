@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import comm
 from jaxdist import tp as tp_math
 from jaxdist._pipeline import AsyncOp, pipelined_loop
-from jaxdist._step import TrainState, local_batch_avals
+from jaxdist._step import PlacedStep, TrainState, local_batch_avals
 from jaxdist.tp_plan import Binding, TPPlan, bind, from_storage, to_storage
 
 
@@ -248,7 +248,7 @@ class ParallelRun:
         self.head_leaves = [k for k in outer if k in read_by_head or k not in read_by_embed]
         self.tied = [k for k in self.embed_leaves if k in self.head_leaves]
         self.state = self._init_state(pure)
-        self.step = jax.jit(self._step, donate_argnums=0)
+        self.step = PlacedStep(self._step, self._sharding(self._batch_spec()))
 
     # -- blocks and layout -----------------------------------------------------------
 
@@ -553,9 +553,12 @@ class ParallelRun:
 
     # -- the step -------------------------------------------------------------------------
 
+    def _batch_spec(self) -> P:
+        return P(_axes(self.cfg.data_axes)) if self.cfg.data_axes else P()
+
     def _step(self, state: TrainState, batch):
         cfg = self.cfg
-        batch_spec = P(_axes(cfg.data_axes)) if cfg.data_axes else P()
+        batch_spec = self._batch_spec()
         batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self._sharding(batch_spec)), batch)
         specs = self._param_specs()
         metrics_spec = {"loss": P()}

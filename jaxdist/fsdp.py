@@ -36,7 +36,7 @@ from jaxdist import comm
 from jaxdist._pipeline import AsyncOp, pipelined_loop
 from jaxdist._step import TrainState, local_batch_avals, sharded_step
 from jaxdist.buckets import Bucket, bucket_layout, pack_bucket, param_name, unpack_bucket
-from jaxdist.comm._backend import get_backend
+from jaxdist.model_state import ModelState, check_identical_blocks, keep_if, training_copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +131,12 @@ class FSDP:
         """Shard `model`'s parameters per unit and build the train step.
 
         Args:
-          model: a Flax NNX module with identical blocks in `getattr(model, units.blocks)`.
+          model: a Flax NNX module with identical blocks in `getattr(model, units.blocks)`
+            (one static definition and parameter shapes; their constants and
+            other variables may differ: each block keeps its own). The step
+            runs it in train mode; its non-parameter variables (dropout RNG
+            streams, batch statistics) are the train state's `model_state`,
+            see `jaxdist.model_state`.
           optimizer: an elementwise optax transformation (it sees each unit's
             flat shard as one leaf; the blocks' states are stacked with vmap).
           units: how the model splits into units.
@@ -154,21 +159,41 @@ class FSDPRun:
 
     def __init__(self, cfg: FSDP, model, optimizer, units: Units, batch):
         self.cfg, self.optimizer, self.units = cfg, optimizer, units
+        model = training_copy(model)
         blocks = getattr(model, units.blocks, None)
         if blocks is None or len(blocks) == 0:
             raise ValueError(f"FSDP: model.{units.blocks} must be a non-empty list of identical blocks")
         self.n_blocks = len(blocks)
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
-        self.block_graph, block0, self.block_rest = nnx.split(blocks[0], nnx.Param, ...)
+        check_identical_blocks(blocks, "FSDP")
+        self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        self.block_graph, block0, block0_rest = nnx.split(blocks[0], nnx.Param, ...)
         self.block_treedef = jax.tree.structure(block0)
-        block_params = [nnx.split(b, nnx.Param, ...)[1] for b in blocks]
-        for i, bp in enumerate(block_params):
-            shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(bp)]
-            if jax.tree.structure(bp) != self.block_treedef or shapes != [
-                (x.shape, x.dtype) for x in jax.tree.leaves(block0)
-            ]:
-                raise ValueError(f"FSDP: block {i} differs from block 0; every block must have the same parameters")
+        block_params, block_rests = zip(*(nnx.split(b, nnx.Param, ...)[1:] for b in blocks), strict=True)
+        for i, (bp, br) in enumerate(zip(block_params, block_rests, strict=True)):
+            if not _same_arrays(bp, block0) or not _same_arrays(br, block0_rest):
+                raise ValueError(
+                    f"FSDP: block {i} has other parameter or variable shapes than block 0; every block must "
+                    "have the same"
+                )
         self.block_bucket = _single_bucket(block0, cfg.size, "a block")
+
+        # non-parameter variables: each block's own, stacked like its parameters; the rest of the model's
+        self.block_state = ModelState(block0_rest)
+        in_model = rest.get(units.blocks, nnx.State({}))
+        own, in_place = nnx.to_pure_dict(block0_rest), nnx.to_pure_dict(in_model)
+        for i in range(self.n_blocks):
+            if not _same_arrays(in_place.get(i, {}), own):
+                raise ValueError(
+                    f"FSDP: block {i} shares non-parameter variables with another part of the model; every block "
+                    "must own its variables (give each block its own, e.g. its own dropout RNG stream)"
+                )
+        self.blocks_rest = {units.blocks: in_model} if units.blocks in rest else {}  # completes the outer model
+        outer_rest = nnx.State({k: v for k, v in rest.items() if k != units.blocks})
+        self.outer_state = ModelState(outer_rest)
+        model_state = {
+            "outer": self.outer_state.store(outer_rest),
+            "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *map(self.block_state.store, block_rests)),
+        }
 
         # the parameters outside the blocks, split by which end of the model reads them
         paths, self.treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -181,9 +206,11 @@ class FSDPRun:
         leaves = [x for _, x in paths]
         self.leaf_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
         self.local_batch = self._local_batch(batch)
-        embed = lambda ls, b: units.embed(self._outer_model(ls), b)
+        outer = model_state["outer"]
+        embed = lambda ls, b: self._apply_outer(ls, outer, lambda m: units.embed(m, b))[0]
         x_aval = jax.eval_shape(embed, self._outer_avals(), self.local_batch)
-        head = lambda ls, b: units.head_loss(self._outer_model(ls), jnp.zeros(x_aval.shape, x_aval.dtype), b)
+        zeros_x = lambda: jnp.zeros(x_aval.shape, x_aval.dtype)
+        head = lambda ls, b: self._apply_outer(ls, outer, lambda m: units.head_loss(m, zeros_x(), b))[0]
         read_by_embed = self._reads(embed, self.local_batch)
         read_by_head = self._reads(head, self.local_batch)
         self.embed_leaves = [i for i in self.outer if i in read_by_embed]
@@ -195,7 +222,7 @@ class FSDPRun:
         self.head_bucket = _single_bucket([leaves[i] for i in self.head_leaves], cfg.size, "the head unit")
         self.names = names
         self.fused = cfg.update_in_backward
-        self.state = self._init_state(leaves, block_params)
+        self.state = self._init_state(leaves, block_params, model_state)
         self.step = jax.jit(self._step, donate_argnums=0)
 
     # -- units as functions of flat weights -------------------------------------
@@ -203,14 +230,16 @@ class FSDPRun:
     def _outer_avals(self):
         return [self.leaf_avals[i] for i in self.outer]
 
-    def _outer_model(self, outer_leaves):
-        """The model with the given outer parameters and zeros for the blocks (never read; XLA drops them)."""
+    def _apply_outer(self, outer_leaves, outer_stored, fn):
+        """`fn(model)` on the model with the given outer parameters and zeros for the blocks' (never read;
+        XLA drops them); returns `(out, outer model state after fn)`."""
         full = [None] * len(self.leaf_avals)
         for i, x in zip(self.outer, outer_leaves, strict=True):
             full[i] = x
         for i in self.block_leaf:
             full[i] = jnp.zeros(self.leaf_avals[i].shape, self.leaf_avals[i].dtype)
-        return nnx.merge(self.graphdef, self.treedef.unflatten(full), self.rest)
+        params = self.treedef.unflatten(full)
+        return self.outer_state.apply(self.graphdef, params, outer_stored, fn, fixed=self.blocks_rest)
 
     def _reads(self, fn, batch) -> set[int]:
         """The outer leaves (by full index) that `fn(outer_leaves, batch)` reads."""
@@ -229,16 +258,21 @@ class FSDPRun:
             leaves.update({self.head_leaves[k]: v for k, v in hl.items()})
         return [leaves.get(i, jnp.zeros(self.leaf_avals[i].shape, self.leaf_avals[i].dtype)) for i in self.outer]
 
-    def _embed(self, embed_flat, batch):
-        return self.units.embed(self._outer_model(self._outer_leaves(embed_flat, None)), batch)
+    def _embed(self, embed_flat, outer_stored, batch):
+        """`(x, outer model state after the embed)`."""
+        fn = lambda model: self.units.embed(model, batch)
+        return self._apply_outer(self._outer_leaves(embed_flat, None), outer_stored, fn)
 
-    def _head(self, head_flat, embed_flat, x, batch):
-        return self.units.head_loss(self._outer_model(self._outer_leaves(embed_flat, head_flat)), x, batch)
+    def _head(self, head_flat, embed_flat, x, outer_stored, batch):
+        """`(loss, outer model state after the head)`."""
+        fn = lambda model: self.units.head_loss(model, x, batch)
+        return self._apply_outer(self._outer_leaves(embed_flat, head_flat), outer_stored, fn)
 
-    def _block(self, w_flat, x):
+    def _block(self, w_flat, stored, x):
+        """`(y, the block's model state after it ran)`."""
         params = unpack_bucket(self.block_bucket, w_flat, w_flat.dtype)
         tree = self.block_treedef.unflatten([params[i] for i in range(len(params))])
-        return nnx.merge(self.block_graph, tree, self.block_rest)(x)
+        return self.block_state.apply(self.block_graph, tree, stored, lambda block: block(x))
 
     # -- state -------------------------------------------------------------------
 
@@ -305,7 +339,7 @@ class FSDPRun:
     def _sharding(self, spec):
         return NamedSharding(self.cfg.mesh, spec)
 
-    def _init_state(self, leaves, block_params) -> TrainState:
+    def _init_state(self, leaves, block_params, model_state) -> TrainState:
         specs = self._specs()
         shardings = {k: self._sharding(v) for k, v in specs.items()}
 
@@ -324,7 +358,8 @@ class FSDPRun:
             params["blocks"] = jax.jit(fuse, out_shardings=shardings["blocks"])(params["blocks"])
         opt_shardings = jax.tree.map(self._sharding, self._opt_specs(params), is_leaf=lambda x: isinstance(x, P))
         opt_state = jax.jit(self._opt_init, out_shardings=opt_shardings)(params)
-        return TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), self._sharding(P())))
+        step = jax.device_put(jnp.zeros((), jnp.int32), self._sharding(P()))
+        return TrainState(params, opt_state, step, jax.device_put(model_state, self._sharding(P())))
 
     def params(self, state: TrainState):
         """The full parameters (an `nnx.State`) of `state`."""
@@ -345,8 +380,16 @@ class FSDPRun:
         return self.block_treedef.unflatten(list(range(self.block_treedef.num_leaves)))
 
     def model(self, state: TrainState) -> nnx.Module:
-        """An NNX model holding the parameters of `state`."""
-        return nnx.merge(self.graphdef, self.params(state), self.rest)
+        """An NNX model (in train mode; call `.eval()` for inference) holding the parameters and the
+        model state (e.g. running statistics) of `state`."""
+        stored = jax.device_put(state.model_state, self._sharding(P()))
+        rest = dict(self.outer_state.load(stored["outer"]))
+        if self.blocks_rest:
+            blocks = self.blocks_rest[self.units.blocks]
+            rest[self.units.blocks] = {
+                i: self.block_state.load(jax.tree.map(lambda x, i=i: x[i], stored["blocks"])) for i in blocks
+            }
+        return nnx.merge(self.graphdef, self.params(state), nnx.State(rest))
 
     # -- the step ----------------------------------------------------------------
 
@@ -374,7 +417,7 @@ class FSDPRun:
             g = g if rdt is None else g.astype(rdt)
             return comm.reduce_scatter_start(g, cfg.axis, tok, op="mean", backend=cfg.backend)
 
-        loops = get_backend(cfg.backend).handles_cross_loops
+        loops = comm.get_backend(cfg.backend).handles_cross_loops
         return (
             AsyncOp(gather_start, comm.wait, "fsdp.gather", loops),
             AsyncOp(scatter_start, comm.wait, "fsdp.scatter", loops),
@@ -390,22 +433,29 @@ class FSDPRun:
             g, tok = comm.all_reduce(g, self.cfg.dp_axis, tok, op="mean", backend=self.cfg.backend)
         return g.astype(dtype), tok
 
-    def _local_step(self, params, opt_state, batch):
+    def _local_step(self, params, opt_state, model_state, step, batch):
         cfg = self.cfg
         gather, scatter = self._ops()
         blocks = params["blocks"]
         master = blocks.dtype
         tok = comm.token()
+        rank = jax.lax.axis_index(cfg.batch_axes)
+        outer_in = self.outer_state.for_step(model_state["outer"], rank, step)
+
+        def block_in(unit):  # a block's model state at the start of the step, for forward and its replay
+            own = jax.tree.map(lambda x: _index(x, unit), model_state["blocks"])
+            return self.block_state.for_step(own, rank, step)
 
         # forward
         embed_w, tok = self._gather(params["embed"], tok)
-        x0 = self._embed(embed_w, batch)
+        x0, outer_mid = self._embed(embed_w, outer_in, batch)
         del embed_w  # re-gathered for backward
 
         def forward(unit, w, x):
-            return self._block(w, x), None, (x, None if cfg.reshard_after_forward else w)
+            y, block_out = self._block(w, block_in(unit), x)
+            return y, None, (x, None if cfg.reshard_after_forward else w, block_out)
 
-        xl, tok, _, (saved_x, saved_w) = pipelined_loop(
+        xl, tok, _, (saved_x, saved_w, blocks_out) = pipelined_loop(
             forward,
             x0,
             self.n_blocks,
@@ -419,14 +469,16 @@ class FSDPRun:
         tied_w = None
         if self.tied:
             tied_w, tok = self._gather(params["embed"], tok)
-        loss, head_vjp = jax.vjp(lambda h, e, x: self._head(h, e, x, batch), head_w, tied_w, xl)
+        loss, head_vjp, outer_out = jax.vjp(
+            lambda h, e, x: self._head(h, e, x, outer_mid, batch), head_w, tied_w, xl, has_aux=True
+        )
         del head_w
         d_head, d_tied, dx = head_vjp(jnp.ones_like(loss))
         head_handle, tok = scatter.start(d_head, tok)
 
         # backward: re-gather unit i-1 and reduce-scatter unit i+1 while unit i computes
         def backward(unit, w, dx):
-            _, vjp = jax.vjp(self._block, w, _index(saved_x, unit))
+            _, vjp = jax.vjp(lambda w, x: self._block(w, block_in(unit), x)[0], w, _index(saved_x, unit))
             dw, dx_in = vjp(dx.astype(saved_x.dtype))
             return dx_in, dw, None
 
@@ -466,7 +518,7 @@ class FSDPRun:
             unroll=cfg.unroll,
         )
         embed_w, tok = self._gather(params["embed"], tok)
-        _, embed_vjp = jax.vjp(lambda e: self._embed(e, batch), embed_w)
+        _, embed_vjp = jax.vjp(lambda e: self._embed(e, outer_in, batch)[0], embed_w)
         (d_embed,) = embed_vjp(dx0.astype(x0.dtype))
         if d_tied is not None:
             d_embed = d_embed + d_tied
@@ -482,6 +534,8 @@ class FSDPRun:
         g_head, tok = self._finish_grad(g_head, tok, params["head"].dtype)
 
         loss, tok = comm.all_reduce(loss, cfg.batch_axes, tok, op="mean", backend=cfg.backend)
+        after = {"outer": outer_out, "blocks": blocks_out}
+        new_model_state, tok = self._model_state_after(model_state, after, tok)
         if cfg.update_in_backward:
             new_blocks, new_block_opt = block_out
             new_params = {"blocks": new_blocks}
@@ -489,9 +543,17 @@ class FSDPRun:
             for name, g in (("embed", g_embed), ("head", g_head)):
                 upd, new_opt[name] = self.optimizer.update(g, opt_state[name], params[name])
                 new_params[name] = optax.apply_updates(params[name], upd)
-            return new_params, new_opt, {"loss": loss, "grad_norm": jnp.float32(jnp.nan), "skipped": jnp.bool_(False)}
+            metrics = {"loss": loss, "grad_norm": jnp.float32(jnp.nan), "skipped": jnp.bool_(False)}
+            return new_params, new_opt, new_model_state, metrics
         grads = {"embed": g_embed, "head": g_head, "blocks": block_out}
-        return self._update(params, opt_state, grads, loss, tok)
+        new_params, new_opt, metrics = self._update(params, opt_state, grads, loss, tok)
+        return new_params, new_opt, keep_if(metrics["skipped"], new_model_state, model_state), metrics
+
+    def _model_state_after(self, before, after, tok):
+        axes, backend = self.cfg.batch_axes, self.cfg.backend
+        outer, tok = self.outer_state.after_step(before["outer"], after["outer"], axes, tok, backend)
+        blocks, tok = self.block_state.after_step(before["blocks"], after["blocks"], axes, tok, backend)
+        return {"outer": outer, "blocks": blocks}, tok
 
     def _update_unit(self, unit, g, acc, tok):
         """`finish` for update_in_backward: average the shard (HSDP), then update that unit's slices."""
@@ -521,10 +583,14 @@ class FSDPRun:
         skipped = jnp.zeros((), jnp.bool_)
         if cfg.skip_nonfinite is not False:
             skipped = ~jnp.isfinite(norm)
-            keep = lambda new, old: jnp.where(skipped, old, new)
-            new_params = jax.tree.map(keep, new_params, params)
-            new_opt = jax.tree.map(keep, new_opt, opt_state)
+            new_params, new_opt = keep_if(skipped, (new_params, new_opt), (params, opt_state))
         return new_params, new_opt, {"loss": loss, "grad_norm": norm, "skipped": skipped}
+
+
+def _same_arrays(a, b) -> bool:
+    """Whether two pytrees have one structure and the same leaf shapes and dtypes."""
+    shapes = lambda t: [(x.shape, x.dtype) for x in jax.tree.leaves(t)]
+    return jax.tree.structure(a) == jax.tree.structure(b) and shapes(a) == shapes(b)
 
 
 def _index(stacked, unit):

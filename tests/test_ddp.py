@@ -203,6 +203,79 @@ def test_accumulation_equals_one_big_batch(mesh):
         assert_params_close(params, ref_params)
 
 
+@pytest.mark.parametrize("average_in_collective", [True, False], ids=["mean", "prescale-sum"])
+@pytest.mark.parametrize("zero1", [False, True], ids=["ddp", "zero1"])
+def test_accumulation_averages_the_micro_batch_gradients(mesh, zero1, average_in_collective):
+    """Every gradient element is 1 on every micro-batch: the mean is 1, so SGD(lr=1) moves every
+    parameter by exactly 1 and grad_norm is sqrt(#params), whatever accumulation_steps is."""
+    make_model, _, _ = make_case("mlp", 1)
+
+    def loss(model, batch):
+        return sum(jnp.sum(p) for p in jax.tree.leaves(nnx.state(model, nnx.Param))) + 0 * jnp.sum(batch["w"])
+
+    batch = {"w": np.ones(32, np.float32)}
+    cfg = DDP(mesh, zero1=zero1, average_in_collective=average_in_collective, accumulation_steps=2)
+    run = cfg.prepare(make_model(), optax.sgd(1.0), loss, batch)
+    before = jax.tree.map(np.asarray, run.params(run.state))
+    state, m = run.step(run.state, batch)
+    for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(run.params(state)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b - np.float32(1.0))
+    n = sum(x.size for x in jax.tree.leaves(before))
+    assert float(m["grad_norm"]) == pytest.approx(np.sqrt(n), rel=1e-6)
+
+
+def sgd_reference(make_model, loss_fn, batches, lr: float, max_grad_norm: float | None):
+    """Single-device SGD on whole batches with plain jax: the losses, grad norms and final parameters."""
+    graphdef, params, rest = nnx.split(make_model(), nnx.Param, ...)
+    losses, norms = [], []
+    for batch in batches:
+        loss, grads = jax.value_and_grad(lambda p, b: loss_fn(nnx.merge(graphdef, p, rest), b))(params, batch)
+        norm = float(optax.tree.norm(grads))
+        scale = 1.0 if max_grad_norm is None else min(1.0, max_grad_norm / norm)
+        params = jax.tree.map(lambda p, g, s=scale: p - lr * s * g, params, grads)
+        losses.append(float(loss))
+        norms.append(norm)
+    return losses, norms, params
+
+
+@pytest.mark.parametrize(
+    "zero1, average_in_collective, max_grad_norm",
+    [(False, True, None), (True, True, None), (False, False, 0.05), (True, False, 0.05)],
+    ids=["ddp", "zero1", "ddp-prescale-clip", "zero1-prescale-clip"],
+)
+def test_accumulation_with_sgd_matches_one_big_batch(mesh, zero1, average_in_collective, max_grad_norm):
+    """SGD is not scale-invariant: a gradient summed instead of averaged over micro-batches moves the
+    parameters accumulation_steps times too far, and the clip and grad_norm see a too-large norm."""
+    make_model, loss_fn, batches = make_case("mlp", 3, batch_size=32)
+    lr = 0.5
+    ref_losses, ref_norms, ref_params = sgd_reference(make_model, loss_fn, batches, lr, max_grad_norm)
+    cfg = DDP(
+        mesh,
+        zero1=zero1,
+        bucket_size=2000,
+        accumulation_steps=4,
+        average_in_collective=average_in_collective,
+        max_grad_norm=max_grad_norm,
+    )
+    losses, params, _, _, metrics = ddp_run(cfg, make_model, loss_fn, batches, optax.sgd(lr))
+    if max_grad_norm is not None:
+        assert ref_norms[0] > max_grad_norm  # the clip is active
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    np.testing.assert_allclose([float(m["grad_norm"]) for m in metrics], ref_norms, rtol=1e-5)
+    assert_params_close(params, ref_params)
+
+
+def test_other_strategies_have_no_accumulation_option():
+    """Only DDP accumulates; FSDP and the unit engine refuse the option instead of ignoring it."""
+    from jaxdist.engine import Parallel
+    from jaxdist.fsdp import FSDP
+
+    with pytest.raises(TypeError, match="accumulation_steps"):
+        FSDP(cpu_mesh((8,), ("fsdp",)), accumulation_steps=2)
+    with pytest.raises(TypeError, match="accumulation_steps"):
+        Parallel(cpu_mesh((4, 2), ("dp", "tp")), accumulation_steps=2)
+
+
 @pytest.mark.parametrize("zero1", [False, True], ids=["ddp", "zero1"])
 def test_nonfinite_gradient_skips_the_step_and_reports_it(mesh, zero1):
     make_model, loss_fn, batches = make_case("mlp", 4)

@@ -5,6 +5,8 @@ rounding of a mean of per-device means, seen through Adam).
 """
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,6 @@ from test_ddp import LOSS_RTOL, assert_params_close, reference_run
 from jaxdist.ddp import DDP
 from jaxdist.fsdp import FSDP, Units
 from jaxdist.train.gpt import GPT, GPTConfig, embed_inputs, head_loss, next_token_loss
-from jaxdist.xla_auto import AutoShardedRun
 
 UNITS = Units(embed_inputs, head_loss)
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=5)
@@ -123,6 +124,14 @@ def _temp_bytes(run, batch) -> int:
     return run.step.lower(run.state, batch).compile().memory_analysis().temp_size_in_bytes
 
 
+def xla_auto():
+    """XLA's automatic FSDP, the baseline that lives with the benchmarks."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import xla_auto
+
+    return xla_auto
+
+
 @pytest.fixture(scope="module")
 def memory(mesh):
     """Peak temp memory at depth 4 and 16 (activations per block: 2x16x128 floats, held fixed)."""
@@ -138,7 +147,9 @@ def memory(mesh):
             out[name, depth] = _temp_bytes(run, batch)
             out["unit_bytes"] = run.block_bucket.size * 4
         model = GPT(model_cfg, nnx.Rngs(0))
-        auto = AutoShardedRun(mesh, model, optax.adam(1e-3), next_token_loss, batch_axes=("fsdp",), shard_axis="fsdp")
+        auto = xla_auto().AutoShardedRun(
+            mesh, model, optax.adam(1e-3), next_token_loss, batch_axes=("fsdp",), shard_axis="fsdp"
+        )
         out["xla_auto", depth] = _temp_bytes(auto, batch)
     return out
 

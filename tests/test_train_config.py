@@ -6,11 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jaxdist.train import config as config_lib
 from jaxdist.train.config import ConfigError
-from jaxdist.train.data import TextData
+from jaxdist.train.prepare import prepare
+from jaxdist.train.shards import TokenShards
 from jaxdist.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,13 +59,16 @@ def test_an_unwritable_out_dir_fails_with_a_one_line_error(tmp_path):
 
 
 def test_text_data_reads_any_bytes_not_only_utf8(tmp_path):
-    raw = "café au lait, crème brûlée. ".encode("latin-1") * 20  # 0xe9 is not valid UTF-8
+    """A byte-level model reads the file's bytes: a latin-1 file prepares, every byte a token."""
+    raw = "café au lait, crème brûlée.\n".encode("latin-1") * 20  # 0xe9 is not valid UTF-8
     path = tmp_path / "latin1.txt"
     path.write_bytes(raw)
-    data = TextData(path, seq_len=8, seed=0)
-    assert data.tokens.tolist() == list(raw)
-    rows = data.batch(0, 4)["tokens"]
-    assert rows.shape == (4, 9) and rows.max() < 256
+    prepare([path], tmp_path / "d", val_fraction=0.2, progress=False)
+    parts = [TokenShards(tmp_path / "d", split) for split in ("train", "val")]
+    tokens = np.concatenate([p.read(0, len(p)) for p in parts])
+    assert bytes(tokens.astype(np.uint8)) == raw
+    with pytest.raises(ValueError, match="latin1.txt is not UTF-8 text"):  # a text tokenizer names the file
+        prepare([path], tmp_path / "e", train_bpe=300, progress=False)
 
 
 def test_update_in_backward_logs_no_grad_norm_rather_than_nan(tmp_path):

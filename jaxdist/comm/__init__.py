@@ -10,7 +10,7 @@ order (`b` most significant), as `lax.axis_index` numbers them, by every op and
 both backends, whatever the mesh's axis order (see `_ranks`).
 """
 
-from jaxdist.comm._backend import default_backend, set_default_backend
+from jaxdist.comm._backend import Backend, default_backend, get_backend, op_site, set_default_backend
 from jaxdist.comm._ops import (
     all_gather,
     all_gather_start,
@@ -26,6 +26,7 @@ from jaxdist.comm._ops import (
 from jaxdist.comm._types import Handle, Token, token
 
 __all__ = [
+    "Backend",
     "Handle",
     "Token",
     "all_gather",
@@ -33,6 +34,8 @@ __all__ = [
     "all_reduce",
     "all_reduce_start",
     "default_backend",
+    "get_backend",
+    "op_site",
     "reduce_scatter",
     "reduce_scatter_start",
     "sendrecv",

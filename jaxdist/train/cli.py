@@ -1,8 +1,10 @@
-"""The `jaxdist` command: `train`, `launch` and `plot`.
+"""The `jaxdist` command: `train`, `launch`, `plot`, `prepare-data` and `sample`.
 
 jaxdist train [CONFIG.toml] [section.key=value ...]
 jaxdist launch -n N [--cpu-devices D] -- jaxdist train ...
 jaxdist plot RUN_DIR
+jaxdist prepare-data INPUT... --out DIR [--tokenizer bytes|FILE.json | --train-bpe VOCAB]
+jaxdist sample RUN_DIR --prompt TEXT --tokens N
 """
 
 from __future__ import annotations
@@ -62,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     la.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- jaxdist train ...")
     pl = sub.add_parser("plot", help="draw loss and throughput of a run to RUN_DIR/curves.png")
     pl.add_argument("run_dir")
+    _add_data_commands(sub)
     args = ap.parse_args(argv)
+    if args.command in _DATA_COMMANDS:
+        return _DATA_COMMANDS[args.command](args)
     if args.command == "train":
         return _train(args)
     if args.command == "launch":
@@ -73,6 +78,54 @@ def main(argv: list[str] | None = None) -> int:
     from jaxdist.train.plot import plot
 
     return plot(args.run_dir)
+
+
+def _prepare_data(args) -> int:
+    from jaxdist.train.prepare import prepare
+
+    try:
+        index = prepare(
+            args.inputs,
+            args.out,
+            tokenizer=args.tokenizer,
+            train_bpe=args.train_bpe,
+            val_fraction=args.val_fraction,
+            shard_tokens=args.shard_tokens,
+            progress=not args.quiet,
+        )
+    except ValueError as e:
+        print(f"jaxdist prepare-data: error: {e}", file=sys.stderr)
+        return 2
+    counts = ", ".join(f"{s} {v['tokens']:,} tokens in {len(v['shards'])} shards" for s, v in index["splits"].items())
+    print(f"{args.out}: vocabulary {index['vocab_size']:,} ({index['tokenizer_source']}), {counts}")
+    return 0
+
+
+def _sample(args) -> int:
+    from jaxdist.train.sample import main as sample_main
+
+    return sample_main(args)
+
+
+_DATA_COMMANDS = {"prepare-data": _prepare_data, "sample": _sample}
+
+
+def _add_data_commands(sub) -> None:
+    pr = sub.add_parser("prepare-data", help="tokenize text files into shards for data.source=shards")
+    pr.add_argument("inputs", nargs="+", help="UTF-8 text files, each one document")
+    pr.add_argument("--out", required=True, help="the directory to write (must not exist or be empty)")
+    pr.add_argument("--tokenizer", default="bytes", help="'bytes' (default) or a Hugging Face tokenizer.json")
+    pr.add_argument("--train-bpe", type=int, default=0, metavar="VOCAB", help="learn a byte-level BPE of VOCAB tokens")
+    pr.add_argument("--val-fraction", type=float, default=0.1, help="the end share of each file for validation")
+    pr.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")
+    pr.add_argument("--quiet", action="store_true", help="no progress bar")
+    sa = sub.add_parser("sample", help="generate text with the newest checkpoint of a run")
+    sa.add_argument("run_dir")
+    sa.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
+    sa.add_argument("--tokens", type=int, default=200, help="how many tokens to generate")
+    sa.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    sa.add_argument("--top-k", type=int, default=0, help="draw among the k most likely tokens only (0: all)")
+    sa.add_argument("--seed", type=int, default=0)
 
 
 if __name__ == "__main__":

@@ -65,9 +65,12 @@ class OptimConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    source: str = _key("text", "text (byte-level, data.path) or synthetic")
-    path: str = _key("", "a text file; default: the corpus shipped with jaxdist")
+    source: str = _key("text", "text (data.path, prepared into out_dir/data), shards (a prepare-data dir) or synthetic")
+    path: str = _key("", "text: a text file (default: the shipped corpus); shards: a `jaxdist prepare-data` directory")
     batch_size: int = _key(16, "global sequences per step")
+    tokenizer: str = _key("bytes", "text: bytes, bpe:N (learnt on the text) or a tokenizer.json path")
+    val_fraction: float = _key(0.1, "text: the share of the file held out for validation")
+    stride: int = _key(0, "training: tokens between the starts of consecutive sequences; 0: seq_len (no overlap)")
 
 
 @dataclasses.dataclass
@@ -80,6 +83,10 @@ class RunConfig:
     keep_checkpoints: int = _key(2, "newest checkpoints kept")
     resume: bool = _key(True, "continue from the newest checkpoint in out_dir")
     overwrite: bool = _key(False, "start over in an out_dir that holds a run, deleting its checkpoints and metrics")
+    eval_every: int = _key(0, "validation loss every this many steps and at the end; 0: never")
+    eval_batches: int = _key(4, "validation batches (of data.batch_size) per evaluation")
+    sample_tokens: int = _key(0, "at the end, print this many generated tokens after sample_prompt")
+    sample_prompt: str = _key("", "the prompt of the end-of-run sample")
     tensorboard: bool = _key(False, "also write TensorBoard events (needs tensorboardX)")
     progress: bool = _key(True, "a progress bar (plain lines without a terminal)")
     step_timeout_s: float = _key(0.0, "a step running longer ends the process with a report (0: off)")

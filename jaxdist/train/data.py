@@ -1,51 +1,25 @@
-"""Training data: a byte-level text stream and a synthetic one, both a pure function of (seed, step).
+"""Training data: prepared token shards (data.source = shards, or text prepared on the fly) and a
+synthetic stream, all read through grain (jaxdist.train.shards).
 
 A batch depends only on the seed and the step number, so a resumed run sees
-exactly the batches the uninterrupted run would have, and every process can
-build just its own rows of the global batch.
+exactly the batches the uninterrupted run would have, and every process reads
+just its own rows of the global batch.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxdist.train.config import DataConfig
+from jaxdist.train.prepare import ensure_prepared
+from jaxdist.train.shards import ShardData, StepData, read_index
 
 CORPUS = Path(__file__).parent / "corpus" / "river.txt"
-BYTE_VOCAB = 256
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens (vocabulary 256)."""
-
-    vocab_size = BYTE_VOCAB
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
-
-    def decode(self, tokens) -> str:
-        return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
-
-
-class TextData:
-    """Random windows of `seq_len + 1` tokens from a text file, byte-level."""
-
-    def __init__(self, path: str | Path | None, seq_len: int, seed: int):
-        path = Path(path) if path else CORPUS
-        if path.is_dir():
-            raise ValueError(f"data.path {path} is a directory; set data.path to a text file")
-        if not path.is_file():
-            raise ValueError(f"data file {path} does not exist; set data.path to a text file")
-        # byte-level: the file's bytes are the tokens, whatever its encoding
-        self.tokens = np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.int32)
-        if len(self.tokens) <= seq_len + 1:
-            raise ValueError(f"data file {path} has {len(self.tokens)} bytes, fewer than model.seq_len + 2")
-        self.seq_len, self.seed = seq_len, seed
-
-    def batch(self, step: int, batch_size: int, rows: slice = slice(None)) -> dict:
-        rng = np.random.default_rng([self.seed, step])
-        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, batch_size)[rows]
-        return {"tokens": np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts])}
+VAL_SEED_OFFSET = 1_000_003  # synthetic validation batches: another seed
 
 
 class SyntheticData:
@@ -60,13 +34,39 @@ class SyntheticData:
         return {"tokens": ((start + np.arange(self.seq_len + 1)) % self.vocab_size).astype(np.int32)}
 
 
-def make(source: str, path: str, vocab_size: int, seq_len: int, seed: int):
-    if source == "text":
-        if vocab_size < BYTE_VOCAB:
-            raise ValueError(
-                f"byte-level text needs model.vocab_size >= 256, got {vocab_size}; set model.vocab_size=256"
+def make(data: DataConfig, split: str, vocab_size: int, seq_len: int, seed: int, out_dir: Path, progress: bool):
+    """The `split` ("train" or "val") of the configured data, as a grain-readable source.
+
+    `text` prepares data.path into out_dir/data (bytes or data.tokenizer) on first use, then
+    reads it like `shards`; `synthetic` draws validation batches from another seed.
+    """
+    if data.source == "synthetic":
+        return StepData(SyntheticData(vocab_size, seq_len, seed if split == "train" else seed + VAL_SEED_OFFSET))
+    if data.source == "text":
+        path = Path(data.path) if data.path else CORPUS
+        if path.is_dir():
+            raise ValueError(f"data.path {path} is a directory; set data.path to a text file")
+        if not path.is_file():
+            raise ValueError(f"data file {path} does not exist; set data.path to a text file")
+        directory = out_dir / "data"
+        if jax.process_index() == 0:
+            ensure_prepared(
+                [path], directory, tokenizer=data.tokenizer, val_fraction=data.val_fraction, progress=progress
             )
-        return TextData(path, seq_len, seed)
-    if source == "synthetic":
-        return SyntheticData(vocab_size, seq_len, seed)
-    raise ValueError(f"unknown data.source {source!r}; choose text or synthetic")
+        if jax.process_count() > 1:  # the others read what process 0 wrote
+            multihost_utils.sync_global_devices("jaxdist: data prepared")
+    elif data.source == "shards":
+        if not data.path:
+            raise ValueError("data.source=shards needs data.path=DIR, a directory made by jaxdist prepare-data")
+        directory = Path(data.path)
+    else:
+        raise ValueError(f"unknown data.source {data.source!r}; choose text, shards or synthetic")
+    vocab = read_index(directory)["vocab_size"]
+    if vocab > vocab_size:
+        raise ValueError(
+            f"the data's tokenizer has {vocab} tokens but model.vocab_size={vocab_size}; "
+            f"set model.vocab_size >= {vocab}"
+        )
+    # validation: disjoint sequences in order, whatever data.stride says for training
+    stride = (data.stride or seq_len) if split == "train" else seq_len
+    return ShardData(directory, split, seq_len, seed, stride, shuffle=split == "train")

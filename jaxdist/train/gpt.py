@@ -3,6 +3,8 @@
 The model knows nothing about parallelism; jaxdist's strategies wrap it from
 outside. The three parts are separate methods (`embed`, `blocks`, `logits`)
 so a strategy that works unit by unit (FSDP) can call them one at a time.
+`decode` runs the same blocks a chunk of positions at a time against a cache of
+keys and values, for generation (jaxdist.train.sample).
 """
 
 from __future__ import annotations
@@ -78,11 +80,28 @@ class Block(nnx.Module):
         self.out = _dense(cfg, cfg.ff, d, rngs, proj_scale)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        q, k, v = self._heads(x)
+        att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
+        return self._after_attention(x, att)
+
+    def decode(self, x: jax.Array, cache: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """`__call__` for the tokens at positions pos, pos + 1, ... given the keys and values of the
+        earlier ones in `cache` ([2, batch, seq_len, heads, head_dim]); returns (x, updated cache)."""
+        q, k, v = self._heads(x)
+        start = (0, pos, 0, 0)
+        keys = jax.lax.dynamic_update_slice(cache[0], k.astype(cache.dtype), start)
+        values = jax.lax.dynamic_update_slice(cache[1], v.astype(cache.dtype), start)
+        causal = jnp.arange(keys.shape[1])[None, :] <= pos + jnp.arange(x.shape[1])[:, None]
+        att = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=causal[None, None])
+        return self._after_attention(x, att), jnp.stack([keys, values])
+
+    def _heads(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
         # sizes from the arrays and `n_heads`, so the block also runs on one tensor-parallel
         # rank's heads (the TP plan divides n_heads) and on a sequence-parallel chunk
-        heads = lambda a: a.reshape(*a.shape[:-1], self.n_heads, a.shape[-1] // self.n_heads)
-        att = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=True, implementation=self.attention)
+        return tuple(a.reshape(*a.shape[:-1], self.n_heads, a.shape[-1] // self.n_heads) for a in (q, k, v))
+
+    def _after_attention(self, x: jax.Array, att: jax.Array) -> jax.Array:
         x = x + self.proj(att.reshape(*att.shape[:-2], -1))
         return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
 
@@ -112,6 +131,21 @@ class GPT(nnx.Module):
         for block in self.blocks:
             x = block(x)
         return self.logits(x)
+
+    def empty_cache(self, batch: int) -> jax.Array:
+        """Keys and values for `decode`: [n_layers, 2, batch, seq_len, heads, head_dim] zeros."""
+        c = self.cfg
+        return jnp.zeros((c.n_layers, 2, batch, c.seq_len, c.n_heads, c.d_model // c.n_heads), c.dtype)
+
+    def decode(self, tokens: jax.Array, cache: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Logits of `tokens` placed at positions pos, pos + 1, ... after those cached: the same
+        values as `__call__` on the whole sequence (tests/test_sample.py), one chunk at a time."""
+        x = self.wte(tokens) + self.wpe(pos + jnp.arange(tokens.shape[1]))[None]
+        layers = []
+        for block, layer in zip(self.blocks, cache, strict=True):
+            x, layer = block.decode(x, layer, pos)
+            layers.append(layer)
+        return self.logits(x), jnp.stack(layers)
 
 
 def embed_inputs(model: GPT, batch: dict) -> jax.Array:

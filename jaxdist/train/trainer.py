@@ -23,8 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.train import data as data_lib
-from jaxdist.train import run_dir
+from jaxdist.train import hooks, run_dir
 from jaxdist.train import schedule as schedule_lib
 from jaxdist.train.checkpoint import CheckpointError, Checkpoints, check_same_model
 from jaxdist.train.config import ConfigError, TrainConfig, validate
@@ -172,11 +171,6 @@ def _host(x) -> np.ndarray:
     return np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else np.asarray(x)
 
 
-def _global_batch(batch: dict, sharding) -> dict:
-    """Place each process's rows of the global batch on its own devices."""
-    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in batch.items()}
-
-
 def _memory_gb(device) -> float | None:
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return stats["bytes_in_use"] / 2**30 if stats and "bytes_in_use" in stats else None
@@ -231,7 +225,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     mesh = make_mesh(cfg, devices)
     mcfg = model_config(cfg)
     out_dir = run_dir.prepare(cfg.run)
-    source = data_lib.make(cfg.data.source, cfg.data.path, mcfg.vocab_size, mcfg.seq_len, cfg.run.seed)
+    source = hooks.source(cfg, "train", mcfg, out_dir)
     batch_axes = tuple(n for n in mesh.axis_names if n != "tp")
     batch_sharding = NamedSharding(mesh, P(batch_axes))
     n_batch = int(np.prod([mesh.shape[a] for a in batch_axes])) * cfg.optim.accumulation_steps
@@ -244,7 +238,9 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     model = GPT(mcfg, nnx.Rngs(cfg.run.seed))
     # host copies: every process passes the same values, which is what a multi-process jit needs
     nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))
-    example = source.batch(0, cfg.data.batch_size)
+    loader = hooks.Loader(source, cfg.data.batch_size, batch_sharding)
+    example = {"tokens": np.zeros(loader.shape, np.int32)}
+    evaluator = hooks.evaluator(cfg, mcfg, out_dir, batch_sharding)
     model_meta = {k: (str(v) if k == "dtype" or k == "param_dtype" else v) for k, v in dataclasses.asdict(mcfg).items()}
     layout = layout_of(cfg, mesh)
     ckpt = Checkpoints(out_dir, cfg.run.keep_checkpoints) if cfg.run.checkpoint_every >= 0 else None
@@ -253,6 +249,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     found = _newest_checkpoint(ckpt, model, model_meta, layout) if (ckpt and cfg.run.resume) else None
     if found is not None:
         start, (meta, moved_params) = found
+        hooks.check_same_data(meta, source)
         if moved_params is not None:  # another mesh or strategy: carry the parameters over
             nnx.update(model, moved_params)
             info(f"restored step {start} parameters onto a new layout {layout}; the optimizer restarts")
@@ -282,6 +279,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
         "layout": layout,
         "config": cfg.to_dict(),
         "schedule": {"decay_steps": decay_steps},
+        "data": source.state(),
     }
 
     def save(step: int):
@@ -292,15 +290,16 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     summary = _Summary()
     window_start, window_tokens = time.perf_counter(), 0
     guard = StepWatchdog(timeout_from(cfg.run.step_timeout_s), out_dir, process_index=jax.process_index())
+    batches = loader.batches(start)  # the data's whole state is the step: see jaxdist.train.shards
     try:
         for step in range(start, end):
             guard.beat(step)  # a step (or the log/checkpoint work after it) past the deadline ends the run
-            batch = _global_batch(source.batch(step, cfg.data.batch_size), batch_sharding)
-            state, metrics = run.step(state, batch)
+            state, metrics = run.step(state, next(batches))
             pending.append(metrics["loss"])  # read back only when logging: no host sync per step
             window_tokens += tokens_per_step
             last = step + 1 == end
-            if (step + 1) % max(1, cfg.run.log_every) == 0 or last or step == start:
+            evaluate = evaluator is not None and ((step + 1) % cfg.run.eval_every == 0 or last)
+            if (step + 1) % max(1, cfg.run.log_every) == 0 or last or step == start or evaluate:
                 losses.extend(float(_host(x)) for x in pending)
                 pending.clear()
                 loss = losses[-1]
@@ -319,6 +318,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
                     "mem_gb": mem,
                     "skipped": bool(_host(metrics["skipped"])) if "skipped" in metrics else False,
                 }
+                if evaluate:
+                    row["val_loss"] = evaluator(run.model(state))
                 row = {k: v for k, v in row.items() if v is not None}  # a metric not computed is left out
                 summary.add(row, window_tokens, elapsed)
                 log.write(row)
@@ -329,6 +330,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
                 save(step + 1)
         save(end)
         summary.print(out_dir, ckpt)
+        if cfg.run.sample_tokens > 0 and end > start:
+            hooks.print_sample(cfg, run.model(state), source)
     except KeyboardInterrupt:
         # the state after the last finished step: a checkpoint of it, then stop
         done = start + len(losses) + len(pending)
@@ -420,6 +423,8 @@ class _progress:
 
     def update(self, step: int, row: dict) -> None:
         parts = [f"loss {row['loss']:.4f}", f"{row['tokens_per_s']:,.0f} tok/s"]
+        if "val_loss" in row:
+            parts.insert(1, f"val {row['val_loss']:.4f}")
         if "mfu" in row:
             parts.append(f"MFU {100 * row['mfu']:.1f}%")
         if "mem_gb" in row:

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist._step import TrainState
+from jaxdist._step import PlacedStep, TrainState
 
 
 def _param_spec(shape, axis: str | None, size: int) -> P:
@@ -53,7 +53,7 @@ class AutoShardedRun:
         self.batch_sharding = NamedSharding(mesh, P(batch_axes))
         step = jax.device_put(jax.numpy.zeros((), "int32"), NamedSharding(mesh, P()))
         self.state = TrainState(params, opt_state, step)
-        self.step = jax.jit(self._step, donate_argnums=0)
+        self.step = PlacedStep(self._step, self.batch_sharding)  # the batch moves onto the Auto mesh first
 
     def _step(self, state: TrainState, batch):
         # a sharding constraint: with Auto axes, device_put inside jit would not split the batch

@@ -1,0 +1,131 @@
+"""A model as its static definition, its parameters, and the rest of its variables (the model state).
+
+Strategies train the `nnx.Param`s. Every other variable (RNG stream keys and
+counters, BatchNorm statistics, constants) is the model state: an explicit
+input and output of the traced step, stored in the train state as plain
+arrays (RNG keys as their key data). Nothing is mutated across a trace level,
+and a checkpoint of the train state resumes dropout and statistics exactly.
+
+The step runs the model in train mode. Each data rank folds its rank index and
+the step into every RNG key, so ranks draw different dropout masks and a
+resumed run draws the masks of an uninterrupted one. BatchNorm normalizes by
+its rank's local batch (PyTorch DDP without SyncBatchNorm); the running
+statistics it updates are averaged over the data ranks, so the stored state
+stays replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdist import comm
+
+
+def training_copy(model: nnx.Module) -> nnx.Module:
+    """A copy of `model` in train mode (dropout on, batch statistics updated); `model` is not changed."""
+    clone = nnx.clone(model)
+    clone.train()
+    return clone
+
+
+def split_for_training(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """`(graphdef, params, rest)` of `model` in train mode."""
+    return nnx.split(training_copy(model), nnx.Param, ...)
+
+
+def check_identical_blocks(blocks: Sequence[nnx.Module], who: str) -> None:
+    """Raise unless every block has block 0's static definition (module types, static attributes)."""
+    first = nnx.split(blocks[0], nnx.Param, ...)[0]
+    for i, block in enumerate(blocks):
+        if nnx.split(block, nnx.Param, ...)[0] != first:
+            raise ValueError(
+                f"{who}: block {i} has another static definition than block 0 (a different module type or "
+                "static attribute, e.g. an activation flag or head count); every block runs one definition, "
+                "so make the blocks identical or move the differing one out of the blocks"
+            )
+
+
+def _is_key(x) -> bool:
+    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+class ModelState:
+    """How one module's non-parameter variables are stored as train-state arrays.
+
+    `store`/`load` convert between the `nnx.State` of the variables and a pure
+    dict of arrays (RNG keys as key data). `for_step` and `after_step` are the
+    per-step rules of the module docstring; they act leaf by leaf, so they also
+    apply to a stack of identical blocks' stored states.
+    """
+
+    def __init__(self, rest: nnx.State):
+        variables = jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        self.treedef = jax.tree.structure(rest)
+        self.pure_treedef = jax.tree.structure(nnx.to_pure_dict(rest))
+        leaves = jax.tree.leaves(rest)
+        if len(variables) != len(leaves) or self.pure_treedef.num_leaves != len(leaves):
+            raise ValueError("model state: every non-parameter variable must hold exactly one array")
+        self.key_impls = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
+        self.is_batch_stat = [isinstance(v, nnx.BatchStat) for v in variables]
+
+    @property
+    def empty(self) -> bool:
+        return not self.key_impls
+
+    def store(self, rest: nnx.State) -> dict:
+        leaves = [jax.random.key_data(x) if _is_key(x) else x for x in jax.tree.leaves(rest)]
+        return self.pure_treedef.unflatten(leaves)
+
+    def load(self, stored: dict) -> nnx.State:
+        leaves = [
+            x if impl is None else jax.random.wrap_key_data(x, impl=impl)
+            for x, impl in zip(jax.tree.leaves(stored), self.key_impls, strict=True)
+        ]
+        return self.treedef.unflatten(leaves)
+
+    def for_step(self, stored: dict, rank: jax.Array, step: jax.Array) -> dict:
+        """The state one data rank's forward starts from: every RNG key folded with `step` and `rank`."""
+
+        def fold(x, impl):
+            if impl is None:
+                return x
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(x, impl=impl), step), rank)
+            return jax.random.key_data(key)
+
+        leaves = [fold(x, impl) for x, impl in zip(jax.tree.leaves(stored), self.key_impls, strict=True)]
+        return self.pure_treedef.unflatten(leaves)
+
+    def after_step(self, before: dict, after: dict, axes, token, backend: str | None = None):
+        """What the step stores: keys as they were (the fold is per step), batch statistics averaged over
+        the data `axes`, every other variable as the forward left it (the same on every rank)."""
+        out = []
+        zipped = zip(jax.tree.leaves(before), jax.tree.leaves(after), self.key_impls, self.is_batch_stat, strict=True)
+        for old, new, impl, batch_stat in zipped:
+            if impl is not None:
+                new = old
+            elif batch_stat:
+                new, token = comm.all_reduce(new, axes, token, op="mean", backend=backend)
+            out.append(new)
+        return self.pure_treedef.unflatten(out), token
+
+    def apply(self, graphdef: nnx.GraphDef, params, stored: dict, fn: Callable[[nnx.Module], Any], fixed=None):
+        """`fn(model)` on the model merged inside the current trace; returns `(out, stored after fn)`.
+
+        `fixed` maps top-level names to variables this state leaves out (e.g. blocks that `fn` never
+        runs): they complete the model and are dropped from the result.
+        """
+        fixed = fixed or {}
+        model = nnx.merge(graphdef, params, nnx.State({**self.load(stored), **fixed}))
+        out = fn(model)
+        after = nnx.split(model, nnx.Param, ...)[2]
+        return out, self.store(nnx.State({k: v for k, v in after.items() if k not in fixed}))
+
+
+def keep_if(skipped: jax.Array, new, old):
+    """`old` where the step was skipped, else `new` (leaf by leaf)."""
+    return jax.tree.map(lambda n, o: jnp.where(skipped, o, n), new, old)

@@ -1,0 +1,66 @@
+"""What the trainer calls for data, evaluation and sampling, so its loop stays about training.
+
+`source` builds the configured data, `Loader` reads it (jaxdist.train.shards),
+`evaluator` gives the validation loss when `run.eval_every` asks for it,
+`check_same_data` warns when a resumed run's data changed, and `print_sample`
+ends a run with generated text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxdist.train import data as data_lib
+from jaxdist.train.config import ConfigError, TrainConfig
+from jaxdist.train.evaluate import Evaluator
+from jaxdist.train.gpt import GPT, GPTConfig
+from jaxdist.train.shards import Loader, ShardData, load_tokenizer
+
+__all__ = ["Loader", "source", "evaluator", "check_same_data", "print_sample"]
+
+
+def source(cfg: TrainConfig, split: str, model: GPTConfig, out_dir: Path):
+    """The `split` of the configured data (config problems as one-line ConfigErrors)."""
+    if cfg.data.stride < 0:
+        raise ConfigError(f"data.stride must be >= 0 (0: seq_len), got {cfg.data.stride}")
+    progress = cfg.run.progress and jax.process_index() == 0
+    try:
+        return data_lib.make(cfg.data, split, model.vocab_size, model.seq_len, cfg.run.seed, out_dir, progress)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def evaluator(cfg: TrainConfig, model: GPTConfig, out_dir: Path, sharding) -> Evaluator | None:
+    """The validation-loss evaluator, or None when run.eval_every is 0."""
+    if cfg.run.eval_every < 0:
+        raise ConfigError(f"run.eval_every must be >= 0 (0: never), got {cfg.run.eval_every}")
+    if cfg.run.eval_every == 0:
+        return None
+    if cfg.run.eval_batches < 1:
+        raise ConfigError(f"run.eval_batches must be >= 1, got {cfg.run.eval_batches}")
+    return Evaluator(Loader(source(cfg, "val", model, out_dir), cfg.data.batch_size, sharding), cfg.run.eval_batches)
+
+
+def check_same_data(meta: dict, data) -> None:
+    """Batches are a function of (seed, step, data): say so when a checkpoint was made on other data."""
+    saved = meta.get("data")
+    if saved is not None and saved != data.state() and jax.process_index() == 0:
+        print(f"jaxdist: the data changed since the checkpoint ({saved} -> {data.state()}); batches differ from before")
+
+
+def print_sample(cfg: TrainConfig, model: GPT, data) -> None:
+    """Generate run.sample_tokens tokens after run.sample_prompt with `model` and print them (process 0)."""
+    from jaxdist.train.sample import sample_text
+
+    # every process takes part in gathering the parameters; process 0 then decodes on one device
+    host = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), nnx.state(model))
+    if jax.process_index() != 0:
+        return
+    local = nnx.merge(nnx.graphdef(model), host)
+    tokenizer = load_tokenizer(data.directory) if isinstance(data, ShardData) else None
+    text = sample_text(local, tokenizer, cfg.run.sample_prompt, cfg.run.sample_tokens, temperature=0.8, top_k=20)
+    print(f"jaxdist: sample after {cfg.run.steps} steps:\n{text}", flush=True)

@@ -1,0 +1,146 @@
+"""`jaxdist sample RUN_DIR`: text from a run's newest checkpoint, decoded with a KV cache under `jit`.
+
+The checkpoint's full parameters are restored onto one device. The prompt is
+run once through `GPT.decode` (prefill), then each new token costs one
+single-position `decode` against the cached keys and values. When the context
+reaches the model's `seq_len` (its learnt positions end there), the cache is
+rebuilt from the newest `seq_len // 2` tokens and decoding continues.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxdist.train.gpt import GPT, GPTConfig
+
+
+def _prefill(graphdef, state, tokens, length):
+    model = nnx.merge(graphdef, state)
+    logits, cache = model.decode(tokens, model.empty_cache(tokens.shape[0]), jnp.int32(0))
+    return logits[:, length - 1].astype(jnp.float32), cache
+
+
+def _decode(graphdef, state, cache, token, pos):
+    logits, cache = nnx.merge(graphdef, state).decode(token[:, None], cache, pos)
+    return logits[:, 0].astype(jnp.float32), cache
+
+
+def _pick(logits, key, temperature, top_k: int):
+    """Greedy at temperature 0, else a draw from softmax(logits / temperature) over the top_k (0: all)."""
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    drawn = jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6))
+    return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+
+
+class Generator:
+    """Token generation for one model on one device: `generate(prompt_ids, n, ...)`."""
+
+    def __init__(self, model: GPT):
+        self.cfg = model.cfg
+        self.graphdef, self.state = nnx.split(model)
+        self.prefill = jax.jit(partial(_prefill, self.graphdef))
+        self.decode = jax.jit(partial(_decode, self.graphdef), donate_argnums=(1,))
+        self.pick = jax.jit(_pick, static_argnums=(3,))
+
+    def generate(
+        self, prompt: np.ndarray, tokens: int, *, temperature: float = 1.0, top_k: int = 0, seed: int = 0
+    ) -> np.ndarray:
+        """`tokens` new token ids following `prompt` (a non-empty 1-D array of ids)."""
+        prompt = np.asarray(prompt, np.int32)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise ValueError("the prompt must be at least one token; give a non-empty --prompt")
+        if top_k < 0 or temperature < 0:
+            raise ValueError(f"--top-k and --temperature must be >= 0, got {top_k} and {temperature}")
+        top_k = min(top_k, self.cfg.vocab_size)
+        ids = list(prompt.tolist())
+        key = jax.random.key(seed)
+        logits, cache, pos = self._fill(ids[-self.cfg.seq_len :])
+        for i in range(tokens):
+            token = self.pick(logits, jax.random.fold_in(key, i), jnp.float32(temperature), top_k)
+            ids.append(int(token[0]))
+            if i + 1 == tokens:
+                break
+            if pos == self.cfg.seq_len:  # no learnt position left: restart from the newest half
+                logits, cache, pos = self._fill(ids[-(self.cfg.seq_len // 2) :])
+            else:
+                logits, cache = self.decode(self.state, cache, token, jnp.int32(pos))
+                pos += 1
+        return np.asarray(ids[len(prompt) :], np.int32)
+
+    def _fill(self, ids: list[int]):
+        padded = np.zeros((1, self.cfg.seq_len), np.int32)
+        padded[0, : len(ids)] = ids
+        logits, cache = self.prefill(self.state, padded, len(ids))
+        return logits, cache, len(ids)
+
+
+def model_config(meta_model: dict) -> GPTConfig:
+    """The GPTConfig a checkpoint's metadata records (dtypes are stored by name)."""
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    values = {k: v for k, v in meta_model.items() if k in fields}
+    for k in ("dtype", "param_dtype"):
+        if k in values:  # str() of a dtype ("float32") or of a scalar type ("<class 'jax.numpy.float32'>")
+            values[k] = jnp.dtype(re.findall(r"\w+", values[k])[-1])
+    return dataclasses.replace(GPTConfig(**values), attention=None)  # one device, any platform
+
+
+def load_run(run_dir: str | Path):
+    """(model with the newest checkpoint's parameters, tokenizer or None, step) of a training run."""
+    from jaxdist.train.checkpoint import Checkpoints
+    from jaxdist.train.shards import load_tokenizer
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "checkpoints").is_dir():
+        raise ValueError(f"{run_dir} has no checkpoints; give the run.out_dir of a training run")
+    ckpt = Checkpoints(run_dir, keep=1)
+    try:
+        step = ckpt.latest()
+        if step is None:
+            raise ValueError(f"{run_dir / 'checkpoints'} holds no finished checkpoint; train the run first")
+        meta = ckpt.meta(step)
+        model = GPT(model_config(meta["model"]), nnx.Rngs(0))
+        nnx.update(model, ckpt.restore_params(step, nnx.state(model, nnx.Param)))
+    finally:
+        ckpt.close()
+    data_dir = (meta.get("data") or {}).get("dir")
+    tokenizer = load_tokenizer(data_dir) if data_dir else None
+    return model, tokenizer, step
+
+
+def sample_text(model: GPT, tokenizer, prompt: str, tokens: int, **options) -> str:
+    """The prompt followed by `tokens` generated ones, as text (token ids where there is no tokenizer)."""
+    if tokenizer is None:
+        ids = [int(t) for t in prompt.split()] or [0]
+        return " ".join(map(str, [*ids, *Generator(model).generate(np.asarray(ids), tokens, **options)]))
+    ids = tokenizer.encode(prompt)
+    if ids.size == 0:
+        ids = np.asarray([tokenizer.end_of_text if tokenizer.end_of_text is not None else tokenizer.encode("\n")[0]])
+        prompt = ""
+    return prompt + tokenizer.decode(Generator(model).generate(ids, tokens, **options))
+
+
+def main(args) -> int:
+    try:
+        model, tokenizer, step = load_run(args.run_dir)
+        if args.tokens < 1:
+            raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
+        text = sample_text(
+            model, tokenizer, args.prompt, args.tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed
+        )
+    except ValueError as e:
+        print(f"jaxdist sample: error: {e}", file=sys.stderr)
+        return 2
+    print(f"[{args.run_dir}, step {step}]", file=sys.stderr)
+    print(text)
+    return 0

@@ -1,0 +1,176 @@
+"""Reading prepared shards with grain: batches that are a pure function of (seed, step, row).
+
+A split's shards are memory-mapped and seen as one token array. Row r of the
+split is the `seq_len + 1` tokens starting at r * stride. The global batch of
+step s holds samples s*B .. s*B + B - 1 of an endless stream in which epoch e is
+a permutation of all rows seeded by (seed, e) (grain's `shuffle` then `repeat`).
+So a batch depends only on (seed, step) and the data, never on what was read
+before: the loader's whole state is the step number, a resumed run continues
+exactly where it stopped, and it does so for any process count, because each
+process reads only the rows of the global batch its devices hold.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import grain
+import jax
+import numpy as np
+
+from jaxdist.train import prepare as prepare_lib
+from jaxdist.train import tokenize
+
+
+def read_index(directory: str | Path) -> dict:
+    path = Path(directory) / prepare_lib.INDEX
+    if not path.is_file():
+        raise ValueError(f"{directory} has no {prepare_lib.INDEX}; make it with: jaxdist prepare-data FILES --out DIR")
+    index = json.loads(path.read_text())
+    if index.get("format") != prepare_lib.FORMAT:
+        raise ValueError(f"{path} is not a {prepare_lib.FORMAT} index; prepare the data again")
+    return index
+
+
+def load_tokenizer(directory: str | Path):
+    """The tokenizer a prepared data directory was made with."""
+    return tokenize.load(directory, read_index(directory)["tokenizer"])
+
+
+class TokenShards:
+    """One split of a data directory as one random-access token array over memory-mapped shards."""
+
+    def __init__(self, directory: str | Path, split: str):
+        self.directory = Path(directory)
+        index = read_index(directory)
+        dtype = np.dtype(index["dtype"]).newbyteorder("<")
+        shards = [s for s in index["splits"][split]["shards"] if s["tokens"]]
+        self.maps = [np.memmap(self.directory / s["file"], dtype=dtype, mode="r") for s in shards]
+        for m, s in zip(self.maps, shards, strict=True):
+            if len(m) != s["tokens"]:
+                raise ValueError(f"{self.directory / s['file']} has {len(m)} tokens, the index says {s['tokens']}")
+        self.starts = np.cumsum([0] + [len(m) for m in self.maps])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) as int32, across shard boundaries."""
+        pieces, pos, end = [], start, start + length
+        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while pos < end:
+            offset = pos - self.starts[shard]
+            take = min(end - pos, len(self.maps[shard]) - offset)
+            pieces.append(self.maps[shard][offset : offset + take])
+            pos, shard = pos + take, shard + 1
+        return np.concatenate(pieces).astype(np.int32)
+
+
+class Windows:
+    """grain random-access source: row r is tokens [r * stride, r * stride + seq_len + 1)."""
+
+    def __init__(self, tokens: TokenShards, seq_len: int, stride: int):
+        self.tokens, self.width, self.stride = tokens, seq_len + 1, stride
+        self.rows = (len(tokens) - self.width) // stride + 1 if len(tokens) >= self.width else 0
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, row: int) -> np.ndarray:
+        return self.tokens.read(int(row) * self.stride, self.width)
+
+
+def device_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...], devices) -> list[int]:
+    """The rows of a global batch of `global_shape` that `devices` hold under `sharding` (sorted)."""
+    indices = sharding.devices_indices_map(global_shape)
+    rows: set[int] = set()
+    for device in devices:
+        rows.update(range(global_shape[0])[indices[device][0]])
+    return sorted(rows)
+
+
+class ShardData:
+    """Training or validation batches from a prepared data directory, read through grain."""
+
+    def __init__(self, directory: str | Path, split: str, seq_len: int, seed: int, stride: int, shuffle: bool):
+        self.directory, self.split, self.seed, self.shuffle = Path(directory), split, seed, shuffle
+        index = read_index(directory)
+        self.vocab_size = index["vocab_size"]
+        self.windows = Windows(TokenShards(directory, split), seq_len, stride)
+        self.width = seq_len + 1
+        if len(self.windows) == 0:
+            have = len(self.windows.tokens)
+            fix = "raise --val-fraction when preparing" if split == "val" else "give more text"
+            raise ValueError(f"the {split} split of {directory} has {have} tokens, fewer than seq_len + 1; {fix}")
+
+    def samples(self) -> grain.MapDataset:
+        """The endless sample stream: each epoch a fresh permutation of the rows (or the rows in order)."""
+        rows = grain.MapDataset.source(self.windows)
+        if self.shuffle:
+            # grain seeds epoch e with base + e: spread the bases so runs with seeds s and s + 1 do not
+            # share epoch orders one epoch apart
+            rows = rows.shuffle(seed=(self.seed * 0x9E3779B1 + 1) % 2**32)
+        return rows.repeat()
+
+    def dataset(self, batch_size: int, rows: Sequence[int]) -> grain.MapDataset:
+        """Element s: {"tokens": the given `rows` of global batch s}, shape (len(rows), seq_len + 1)."""
+        samples, rows = self.samples(), list(rows)
+        return grain.MapDataset.range(0, sys.maxsize).map(
+            lambda step: {"tokens": np.stack([samples[step * batch_size + r] for r in rows])}
+        )
+
+    def state(self) -> dict:
+        """What the batches depend on besides the step (saved with checkpoints, checked on resume)."""
+        return {"dir": str(self.directory.absolute()), "rows": len(self.windows), "tokens": len(self.windows.tokens)}
+
+
+class StepData:
+    """grain view of a source with `batch(step, batch_size) -> dict` (the synthetic one)."""
+
+    def __init__(self, source):
+        self.source, self.width = source, source.seq_len + 1
+
+    def dataset(self, batch_size: int, rows: Sequence[int]) -> grain.MapDataset:
+        rows = np.asarray(rows)
+        return grain.MapDataset.range(0, sys.maxsize).map(
+            lambda step: {k: v[rows] for k, v in self.source.batch(step, batch_size).items()}
+        )
+
+    def state(self) -> dict:
+        return {"source": type(self.source).__name__}
+
+
+class Loader:
+    """Global batches of one process: its rows read by grain on background threads, placed on its devices."""
+
+    def __init__(self, data, batch_size: int, sharding: jax.sharding.Sharding, threads: int = 2, prefetch: int = 4):
+        self.data, self.batch_size, self.sharding = data, batch_size, sharding
+        self.read_options = grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch)
+        self.shape = (batch_size, data.width)
+        self.rows = device_rows(sharding, self.shape, sharding.addressable_devices)
+        self.position = {row: i for i, row in enumerate(self.rows)}
+
+    def local_batches(self, start: int) -> Iterator[dict]:
+        """This process's rows of the batches of steps start, start + 1, ... (numpy, prefetched)."""
+        dataset = self.data.dataset(self.batch_size, self.rows)[start:]
+        return iter(dataset.to_iter_dataset(self.read_options))
+
+    def batches(self, start: int) -> Iterator[dict]:
+        """The global batches of steps start, start + 1, ... as sharded jax.Arrays."""
+        for local in self.local_batches(start):
+            yield self.place(local)
+
+    def place(self, local: dict) -> dict:
+        """This process's rows -> global arrays (each device gets its slice of them)."""
+
+        def piece(v, idx):
+            mine = [self.position[r] for r in range(self.batch_size)[idx[0]]]
+            return v[mine][(slice(None), *idx[1:])]
+
+        return {
+            k: jax.make_array_from_callback((self.batch_size, *v.shape[1:]), self.sharding, lambda i, v=v: piece(v, i))
+            for k, v in local.items()
+        }
