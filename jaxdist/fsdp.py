@@ -20,7 +20,6 @@ exist at once.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -36,17 +35,8 @@ from jaxdist import comm
 from jaxdist._pipeline import AsyncOp, pipelined_loop
 from jaxdist._step import TrainState, local_batch_avals, sharded_step
 from jaxdist.buckets import Bucket, bucket_layout, pack_bucket, param_name, unpack_bucket
+from jaxdist.engine import Units
 from jaxdist.model_state import ModelState, check_identical_blocks, keep_if, training_copy
-
-
-@dataclasses.dataclass(frozen=True)
-class Units:
-    """How a model splits into units: `embed(model, batch) -> x`, then every block of
-    `getattr(model, blocks)` as `x = block(x)`, then `head_loss(model, x, batch) -> loss`."""
-
-    embed: Callable[[nnx.Module, Any], jax.Array]
-    head_loss: Callable[[nnx.Module, jax.Array, Any], jax.Array]
-    blocks: str = "blocks"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,10 +129,17 @@ class FSDP:
             see `jaxdist.model_state`.
           optimizer: an elementwise optax transformation (it sees each unit's
             flat shard as one leaf; the blocks' states are stacked with vmap).
-          units: how the model splits into units.
+          units: how the model splits into units (`jaxdist.engine.Units` in its plain form:
+            `block(x)` blocks in a list and a mean loss; the unit engine takes the others).
           batch: an example global batch; leading dimensions are split over
             the batch axes.
         """
+        extras = [f for f in ("block_call", "stacked", "has_aux", "sum_and_count") if getattr(units, f)]
+        if extras:
+            raise ValueError(
+                f"FSDP: units with {', '.join(extras)} need the unit engine: use "
+                "jaxdist.engine.Parallel(mesh) over an 'fsdp' axis, the same ZeRO-3 storage"
+            )
         return FSDPRun(self, model, optimizer, units, batch)
 
 
