@@ -108,13 +108,13 @@ def fsdp(model, devices, batch_for, backend):
     return FSDP(mesh, backend=backend).prepare(model, optimizer(), Units(embed_inputs, head_loss), batch), batch
 
 
-def engine_tp(data_axis: str):
+def engine_tp(data_axis: str, sequence_parallel: bool = False):
     def build(model, devices, batch_for, backend):
         if len(devices) % 2:
             raise ValueError(f"{data_axis} x tp needs an even number of GPUs, not {len(devices)}")
         mesh = mesh_for(devices, (len(devices) // 2, 2), (data_axis, "tp"), backend)
         batch = batch_for(mesh)
-        parallel = Parallel(mesh, plan=tp_plan_for(model.cfg), backend=backend)
+        parallel = Parallel(mesh, plan=tp_plan_for(model.cfg), sequence_parallel=sequence_parallel, backend=backend)
         return parallel.prepare(model, optimizer(), UNITS, batch), batch
 
     return build
@@ -131,6 +131,7 @@ CONFIGS = {  # name: (builder, comm backend)
             ("zero1", ddp(zero1=True)),
             ("fsdp", fsdp),
             ("dptp", engine_tp("dp")),
+            ("dptpsp", engine_tp("dp", sequence_parallel=True)),
             ("fsdptp", engine_tp("fsdp")),
         )
         for backend in ("xla", "nccl")

@@ -41,7 +41,7 @@ from jaxdist import comm
 from jaxdist import tp as tp_math
 from jaxdist._pipeline import AsyncOp, pipelined_loop
 from jaxdist._step import PlacedStep, TrainState, local_batch_avals
-from jaxdist.tp_plan import Binding, TPPlan, bind, from_storage, to_storage
+from jaxdist.tp_plan import Binding, TPPlan, bind, from_storage, loss_parallel_scope, to_storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -629,7 +629,8 @@ class ParallelRun:
             unroll=True,
         )
         head_w, tok = _fetch(gather, unit(self.head_leaves), tok)
-        total, head_vjp, (count, aux) = jax.vjp(lambda w, x: self._head(w, x, batch), head_w, xl, has_aux=True)
+        with loss_parallel_scope():
+            total, head_vjp, (count, aux) = jax.vjp(lambda w, x: self._head(w, x, batch), head_w, xl, has_aux=True)
         seed = jnp.ones_like(total)
         if count is not None:  # d(global sum / global count): the data-rank mean below restores the sum
             count = count.astype(jnp.float32)

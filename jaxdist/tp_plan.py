@@ -27,6 +27,7 @@ plan's collectives. Splitting and joining parameters derive from the plan.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import functools
@@ -35,6 +36,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from jaxdist import tp as tp_math
@@ -47,10 +49,13 @@ class Placement:
     kind: str
     groups: int = 1
     gather_output: bool = False
+    loss_parallel: bool = False
 
     def __post_init__(self):
         if self.kind not in ("column", "row", "vocab", "replicated"):
             raise ValueError(f"Placement kind must be column, row, vocab or replicated, got {self.kind!r}")
+        if self.loss_parallel and (self.gather_output or self.kind not in ("column", "vocab")):
+            raise ValueError("Placement: loss_parallel is for a column head or a vocab embedding's attend, ungathered")
         if not isinstance(self.groups, int) or self.groups < 1:
             raise ValueError(f"Placement groups must be an int >= 1, got {self.groups!r}")
 
@@ -65,9 +70,13 @@ class Placement:
         return None
 
 
-def column(groups: int = 1, gather_output: bool = False) -> Placement:
-    """Output features split over tp (Megatron's column-parallel linear)."""
-    return Placement("column", groups, gather_output)
+def column(groups: int = 1, gather_output: bool = False, loss_parallel: bool = False) -> Placement:
+    """Output features split over tp (Megatron's column-parallel linear).
+
+    `gather_output` all-gathers the output over tp; `loss_parallel` (a head) keeps each rank's
+    slice of the logits for `cross_entropy` below, so whole logits never exist on one rank.
+    """
+    return Placement("column", groups, gather_output, loss_parallel)
 
 
 def row() -> Placement:
@@ -75,9 +84,56 @@ def row() -> Placement:
     return Placement("row")
 
 
-def vocab() -> Placement:
-    """Embedding rows split over tp (vocabulary-parallel embedding; `attend` column parallel)."""
-    return Placement("vocab")
+def vocab(loss_parallel: bool = False) -> Placement:
+    """Embedding rows split over tp (vocabulary-parallel embedding; `attend`, a tied head, is column
+    parallel: its logits gathered, or with `loss_parallel` kept per rank for `cross_entropy`)."""
+    return Placement("vocab", loss_parallel=loss_parallel)
+
+
+# -- a loss over logits split along the vocabulary ---------------------------------------------
+# A head bound with `loss_parallel` registers its local logits here; `cross_entropy` finds them and
+# reduces only per-token scalars over tp. `loss_parallel_scope` (the engine wraps each head call in
+# it) raises if registered logits reached no `cross_entropy`: read any other way they would be one
+# rank's slice, silently wrong.
+
+_local_logits: dict[int, tuple] = {}
+
+
+def _register(logits, binding: Binding):
+    _local_logits[id(logits)] = (logits, binding, [False])
+    return logits
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-token softmax cross-entropy with integer labels, in float32 (optax's on one device).
+
+    Under a TP plan whose head is `column(loss_parallel=True)` (or `vocab(loss_parallel=True)` for a
+    tied `attend`), `logits` are this rank's vocabulary slice and the loss is computed without
+    gathering them (`jaxdist.tp.vocab_parallel_cross_entropy`).
+    """
+    entry = _local_logits.get(id(logits))
+    if entry is not None and entry[0] is logits:
+        _, b, used = entry
+        used[0] = True
+        return tp_math.vocab_parallel_cross_entropy(logits, labels, b.axis, backend=b.backend)
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+
+
+@contextlib.contextmanager
+def loss_parallel_scope():
+    """Around a head's call: every vocabulary-parallel logits it made must reach `cross_entropy`."""
+    _local_logits.clear()
+    try:
+        yield
+        unused = [e for e in _local_logits.values() if not e[2][0]]
+        if unused:
+            raise ValueError(
+                "TP plan: the head's logits are split over tp (loss_parallel=True) but did not reach "
+                "jaxdist.tp_plan.cross_entropy; compute the loss with it, or gather the logits "
+                "(gather_output=True / loss_parallel=False)"
+            )
+    finally:
+        _local_logits.clear()
 
 
 def replicated() -> Placement:
@@ -299,6 +355,8 @@ class _NoBias:
 def _column_call(self, x, *args, **kwargs):
     b: Binding = self._jaxdist_tp
     y = type(self).__mro__[1].__call__(self, b.enter(x), *args, **kwargs)
+    if self._jaxdist_loss_parallel:
+        return _register(y, b)
     return gather_features(y, b.axis, b.backend) if self._jaxdist_gather else y
 
 
@@ -320,6 +378,8 @@ def _vocab_call(self, tokens, *args, **kwargs):
 def _vocab_attend(self, query, *args, **kwargs):
     b: Binding = self._jaxdist_tp
     logits = type(self).__mro__[1].attend(self, b.enter(query), *args, **kwargs)
+    if self._jaxdist_loss_parallel:
+        return _register(logits, b)
     return gather_features(logits, b.axis, b.backend)
 
 
@@ -346,6 +406,7 @@ def bind(module: nnx.Module, plan: TPPlan, binding: Binding, prefix: tuple = ())
             continue
         object.__setattr__(sub, "_jaxdist_tp", binding)
         object.__setattr__(sub, "_jaxdist_gather", placement.gather_output)
+        object.__setattr__(sub, "_jaxdist_loss_parallel", placement.loss_parallel)
         sub.__class__ = _bound_class(type(sub), placement.kind)
 
 

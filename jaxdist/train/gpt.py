@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from jaxdist import tp_plan
@@ -155,8 +154,8 @@ def embed_inputs(model: GPT, batch: dict) -> jax.Array:
 
 def head_loss(model: GPT, x: jax.Array, batch: dict) -> jax.Array:
     """The last unit: mean cross-entropy of predicting `batch["tokens"][:, 1:]` (float32 math)."""
-    logits = model.logits(x).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+    # tp_plan.cross_entropy: optax's on one device; under the TP plan each rank's vocabulary slice
+    return tp_plan.cross_entropy(model.logits(x), batch["tokens"][:, 1:]).mean()
 
 
 def next_token_loss(model: GPT, batch: dict) -> jax.Array:
@@ -169,16 +168,17 @@ def next_token_loss(model: GPT, batch: dict) -> jax.Array:
 
 # How the GPT splits over a tensor-parallel axis (Megatron's layout): q/k/v by heads (one column
 # split per part of the fused projection), the attention and MLP outputs by rows, the MLP input
-# by columns, the vocabulary of the embedding (and of the tied or separate head, whose logits
-# are gathered for `head_loss`); norms, row biases and positions replicated.
+# by columns, the vocabulary of the embedding and of the tied or separate head (its logits stay
+# split: `head_loss` takes the loss with `tp_plan.cross_entropy`, so only per-token scalars cross
+# tp); norms, row biases and positions replicated.
 TP_PLAN = tp_plan.TPPlan(
     layers={
-        "wte": tp_plan.vocab(),
+        "wte": tp_plan.vocab(loss_parallel=True),
         "blocks/*/qkv": tp_plan.column(groups=3),
         "blocks/*/proj": tp_plan.row(),
         "blocks/*/fc": tp_plan.column(),
         "blocks/*/out": tp_plan.row(),
-        "head": tp_plan.column(gather_output=True),
+        "head": tp_plan.column(loss_parallel=True),
     },
     divide={"blocks/*": ("n_heads",)},
 )
