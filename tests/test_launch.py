@@ -115,3 +115,14 @@ def test_a_real_launch_listens_on_loopback_only(tmp_path):
     assert proc.returncode == 0, err[-2000:]
     assert out.count("joined") == 2
     assert seen and seen <= LOOPBACK, seen
+
+
+def test_each_process_owns_its_share_of_the_gpus():
+    from jaxdist.train.launch import gpus_for_rank, visible_gpus
+
+    assert [gpus_for_rank(["0", "1", "2", "3"], 2, r) for r in (0, 1)] == ["0,1", "2,3"]
+    assert [gpus_for_rank(["4", "7"], 2, r) for r in (0, 1)] == ["4", "7"]
+    assert gpus_for_rank([], 2, 0) is None  # no GPUs: nothing set
+    with pytest.raises(ValueError, match="3 GPUs do not split evenly over 2 processes"):
+        gpus_for_rank(["0", "1", "2"], 2, 0)
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2,5"}) == ["2", "5"]

@@ -8,6 +8,7 @@ a local launch), not to every interface as jax would; JAXDIST_COORDINATOR_BIND
 overrides that for multi-node runs. Without GPUs each process simulates
 `cpu_devices` CPU devices and uses JAX's gloo CPU collectives.
 
+On a GPU machine each process gets its share of the visible GPUs (CUDA_VISIBLE_DEVICES).
 Each worker's output lines come prefixed with its rank. If one worker dies, the
 launcher says which and how, stops the others at once and exits non-zero, so
 nothing waits forever.
@@ -86,6 +87,28 @@ def _relay(stream, rank: int, out, lock: threading.Lock) -> None:
             out.flush()
 
 
+def visible_gpus(env: Mapping[str, str]) -> list[str]:
+    """The GPUs this machine lets a process see: CUDA_VISIBLE_DEVICES, else what `nvidia-smi -L` lists."""
+    if env.get("CUDA_VISIBLE_DEVICES") is not None:
+        return [g for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def gpus_for_rank(gpus: list[str], n: int, rank: int) -> str | None:
+    """Rank `rank`'s share of `gpus` as a CUDA_VISIBLE_DEVICES value (None without GPUs): each
+    process owns its own GPUs, since NCCL forbids two ranks of one communicator on one GPU."""
+    if not gpus:
+        return None
+    if len(gpus) % n:
+        raise ValueError(f"{len(gpus)} GPUs do not split evenly over {n} processes; use -n dividing {len(gpus)}")
+    k = len(gpus) // n
+    return ",".join(gpus[rank * k : (rank + 1) * k])
+
+
 def launch(cmd: list[str], n: int, *, cpu_devices: int | None = None, port: int = 0) -> int:
     if not cmd:
         print("jaxdist launch: give the command after --, e.g. jaxdist launch -n 2 -- jaxdist train", file=sys.stderr)
@@ -96,9 +119,17 @@ def launch(cmd: list[str], n: int, *, cpu_devices: int | None = None, port: int 
     if cmd[0] == "jaxdist":  # the same interpreter and package as this launcher
         cmd = [sys.executable, "-m", "jaxdist.train.cli", *cmd[1:]]
     address = f"127.0.0.1:{port or _free_port()}"
+    gpus = [] if cpu_devices else visible_gpus(os.environ)
+    try:
+        shares = [gpus_for_rank(gpus, n, i) for i in range(n)]
+    except ValueError as e:
+        print(f"jaxdist launch: {e}", file=sys.stderr)
+        return 2
     procs, relays, lock = [], [], threading.Lock()
     for i in range(n):
         env = dict(os.environ, JAXDIST_COORDINATOR=address, JAXDIST_NUM_PROCESSES=str(n), JAXDIST_PROCESS_ID=str(i))
+        if shares[i] is not None:
+            env["CUDA_VISIBLE_DEVICES"] = shares[i]
         if cpu_devices:
             flags = [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
             env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={cpu_devices}"])
