@@ -30,6 +30,19 @@ from jaxdist import comm
 from jaxdist.comm import op_site
 
 
+def check_buffers(who: str, buffers, prefetch) -> None:
+    """Raise unless `prefetch` units ahead fit in `buffers` gathered units (the loop's structural bound)."""
+    if not isinstance(buffers, int) or buffers < 2:
+        raise ValueError(f"{who}: buffers must be an int >= 2 (one unit computing, one arriving), got {buffers!r}")
+    if not isinstance(prefetch, int) or prefetch < 1:
+        raise ValueError(f"{who}: prefetch must be an int >= 1, got {prefetch!r}")
+    if prefetch + 1 > buffers:
+        raise ValueError(
+            f"{who}: prefetch={prefetch} keeps {prefetch + 1} gathered units alive but buffers={buffers}; "
+            f"raise buffers to {prefetch + 1} or lower prefetch"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class AsyncOp:
     """An async op as two functions: `start(x, token) -> (handle, token)`, `wait(handle, token) -> (y, token)`."""

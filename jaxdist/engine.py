@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
 from jaxdist import tp as tp_math
-from jaxdist._pipeline import AsyncOp, pipelined_loop
+from jaxdist._pipeline import AsyncOp, check_buffers, pipelined_loop
 from jaxdist._step import PlacedStep, TrainState, local_batch_avals
 from jaxdist.tp_plan import Binding, TPPlan, bind, from_storage, loss_parallel_scope, to_storage
 
@@ -136,17 +136,7 @@ class Parallel:
             )
         if self.tp > 1 and self.plan is None:
             raise ValueError(f"Parallel: the {self.tp_axis!r} axis has size {self.tp}; pass plan=TPPlan(...)")
-        if not isinstance(self.buffers, int) or self.buffers < 2:
-            raise ValueError(
-                f"Parallel: buffers must be an int >= 2 (one unit computing, one arriving), got {self.buffers!r}"
-            )
-        if not isinstance(self.prefetch, int) or self.prefetch < 1:
-            raise ValueError(f"Parallel: prefetch must be an int >= 1, got {self.prefetch!r}")
-        if self.prefetch + 1 > self.buffers:
-            raise ValueError(
-                f"Parallel: prefetch={self.prefetch} keeps {self.prefetch + 1} gathered units alive but buffers="
-                f"{self.buffers}; raise buffers to {self.prefetch + 1} or lower prefetch"
-            )
+        check_buffers("Parallel", self.buffers, self.prefetch)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("Parallel: sequence_parallel needs a tp axis of size > 1")
 

@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
-from jaxdist._pipeline import AsyncOp, pipelined_loop
+from jaxdist._pipeline import AsyncOp, check_buffers, pipelined_loop
 from jaxdist._step import TrainState, local_batch_avals, sharded_step
 from jaxdist.buckets import Bucket, bucket_layout, pack_bucket, param_name, unpack_bucket
 from jaxdist.engine import Units
@@ -87,17 +87,7 @@ class FSDP:
         for name in (self.axis, self.dp_axis):
             if name is not None and name not in self.mesh.axis_names:
                 raise ValueError(f"FSDP: axis {name!r} is not a mesh axis; the mesh has {self.mesh.axis_names}")
-        if not isinstance(self.buffers, int) or self.buffers < 2:
-            raise ValueError(
-                f"FSDP: buffers must be an int >= 2 (one unit computing, one arriving), got {self.buffers!r}"
-            )
-        if not isinstance(self.prefetch, int) or self.prefetch < 1:
-            raise ValueError(f"FSDP: prefetch must be an int >= 1, got {self.prefetch!r}")
-        if self.prefetch + 1 > self.buffers:
-            raise ValueError(
-                f"FSDP: prefetch={self.prefetch} keeps {self.prefetch + 1} gathered units alive but buffers="
-                f"{self.buffers}; raise buffers to {self.prefetch + 1} or lower prefetch"
-            )
+        check_buffers("FSDP", self.buffers, self.prefetch)
         if self.update_in_backward and self.max_grad_norm is not None:
             raise ValueError(
                 "FSDP: update_in_backward updates each unit before the global gradient norm exists, so it cannot "

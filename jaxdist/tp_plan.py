@@ -283,24 +283,21 @@ def _check_module(path, module, placement: Placement, size: int) -> None:
 def to_storage(x, dim: int | None, groups: int, size: int):
     """Reorder `x` along `dim` so that tp rank r's piece is the r-th contiguous chunk (a no-op
     unless `groups > 1`, where rank r holds the r-th part of every group)."""
-    if dim is None or groups == 1:
-        return x
-    shape = x.shape
-    n = shape[dim]
-    y = x.reshape(*shape[:dim], groups, size, n // (groups * size), *shape[dim + 1 :])
-    y = jnp.swapaxes(y, dim, dim + 1)
-    return y.reshape(shape)
+    return _swap_blocks(x, dim, groups, size)
 
 
 def from_storage(x, dim: int | None, groups: int, size: int):
     """The inverse of `to_storage`."""
-    if dim is None or groups == 1:
+    return _swap_blocks(x, dim, size, groups)
+
+
+def _swap_blocks(x, dim: int | None, outer: int, inner: int):
+    """View dimension `dim` as (outer, inner, rest) and swap the first two."""
+    if dim is None or outer == 1 or inner == 1:
         return x
     shape = x.shape
-    n = shape[dim]
-    y = x.reshape(*shape[:dim], size, groups, n // (groups * size), *shape[dim + 1 :])
-    y = jnp.swapaxes(y, dim, dim + 1)
-    return y.reshape(shape)
+    y = x.reshape(*shape[:dim], outer, inner, shape[dim] // (outer * inner), *shape[dim + 1 :])
+    return jnp.swapaxes(y, dim, dim + 1).reshape(shape)
 
 
 def split(x, dim: int | None, groups: int, rank: int, size: int):
