@@ -41,6 +41,7 @@ from jaxdist import comm
 from jaxdist import tp as tp_math
 from jaxdist._pipeline import AsyncOp, check_buffers, pipelined_loop
 from jaxdist._step import PlacedStep, TrainState, local_batch_avals
+from jaxdist.model_state import ModelState, keep_if, training_copy
 from jaxdist.tp_plan import Binding, TPPlan, bind, from_storage, loss_parallel_scope, to_storage
 
 
@@ -203,11 +204,12 @@ class ParallelRun:
         self.mesh = jax.sharding.Mesh(
             cfg.mesh.devices, cfg.mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(cfg.mesh.axis_names)
         )
+        model = training_copy(model)  # the step runs train mode; the caller's model is untouched
         self._split_blocks(model, units)
         if cfg.plan is not None and cfg.tp > 1:
             cfg.plan.check(model, cfg.tp, modules=self._plan_modules(model))
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
-        _refuse_mutable_state(self.rest)
+        self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        self._split_model_state(rest, units)
         self.template = params
         pure = nnx.to_pure_dict(params)
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(pure)
@@ -228,9 +230,11 @@ class ParallelRun:
         self.local_batch = local_batch_avals(
             batch, n_data, "Parallel", f"the {n_data} devices of the data axes {cfg.data_axes}; change the batch size"
         )
-        embed = lambda ws, b: self._embed_raw(ws, b, bound=False)
+        start = self.initial_model_state["outer"]
+        embed = lambda ws, b: self._outer_apply(ws, start, lambda m: units.embed(m, b), bound=False)[0]
         x_aval = jax.eval_shape(embed, self._avals(outer, whole=True), self.local_batch)
-        head = lambda ws, b: units.head_loss(self._outer_model(ws, False), jnp.zeros(x_aval.shape, x_aval.dtype), b)
+        zeros_x = lambda: jnp.zeros(x_aval.shape, x_aval.dtype)
+        head = lambda ws, b: self._outer_apply(ws, start, lambda m: units.head_loss(m, zeros_x(), b), bound=False)[0]
         self.aux_specs = self._aux_specs(jax.eval_shape(head, self._avals(outer, whole=True), self.local_batch))
         read_by_embed = self._reads(embed, outer)
         read_by_head = self._reads(head, outer)
@@ -278,6 +282,45 @@ class ParallelRun:
             self.block_defs.append(g)
             self.block_rests.append(r)
             self.block_trees.append(jax.tree.structure(nnx.to_pure_dict(p)))
+
+    def _split_model_state(self, rest, units: Units) -> None:
+        """The non-parameter variables (RNG streams, batch statistics, constants): the outer model's,
+        and each block's own, as `jaxdist.model_state.ModelState`s stored in the train state."""
+        in_model = rest.get(units.blocks, nnx.State({}))
+        outer_rest = nnx.State({k: v for k, v in rest.items() if k != units.blocks})
+        self.outer_state = ModelState(outer_rest)
+        self.blocks_fixed = {units.blocks: in_model} if units.blocks in rest else {}  # completes the outer model
+        if units.stacked:  # layers keep their slices of the stacked module's constants
+            kinds = {type(v).__name__ for _, v in in_model.flat_state()}
+            mutable = sorted(k for k in kinds if k in ("RngCount", "RngKey", "BatchStat"))
+            if mutable:
+                raise ValueError(
+                    f"Parallel: stacked layers holding {mutable} variables (Dropout / BatchNorm state) are not "
+                    "supported yet; pass the blocks as a list (Units(stacked=False))"
+                )
+            self.block_states = None
+            blocks = {}
+        else:
+            placed = nnx.to_pure_dict(in_model)
+            for i, own in enumerate(self.block_rests):
+                if jax.tree.structure(nnx.to_pure_dict(own)) != jax.tree.structure(placed.get(i, {})):
+                    raise ValueError(
+                        f"Parallel: block {i} shares non-parameter variables with another part of the model; every "
+                        "block must own its variables (give each block its own, e.g. its own dropout RNG stream)"
+                    )
+            self.block_states = [ModelState(r) for r in self.block_rests]
+            blocks = {i: ms.store(r) for i, (ms, r) in enumerate(zip(self.block_states, self.block_rests, strict=True))}
+        self.initial_model_state = {"outer": self.outer_state.store(outer_rest), "blocks": blocks}
+
+    def _rest(self, model_state) -> nnx.State:
+        """The model's non-parameter variables from the train state's `model_state`."""
+        rest = dict(self.outer_state.load(model_state["outer"]))
+        if self.block_states is not None and self.blocks_fixed:
+            loaded = {i: ms.load(model_state["blocks"][i]) for i, ms in enumerate(self.block_states)}
+            rest[self.units.blocks] = nnx.State(loaded)
+        elif self.blocks_fixed:
+            rest.update(self.blocks_fixed)
+        return nnx.State(rest)
 
     def _plan_modules(self, model):
         """The model's modules as the plan sees them: a stacked module as one layer (its own
@@ -369,8 +412,11 @@ class ParallelRun:
         opt_shardings = _mirror_shardings(jax.eval_shape(self.optimizer.init, params), params, self._sharding(P()))
         opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), self._sharding(P()))
-        self.state_shardings = TrainState(shardings, jax.tree.map(lambda x: x.sharding, opt_state), step.sharding)
-        return TrainState(params, opt_state, step)
+        model_state = jax.device_put(self.initial_model_state, self._sharding(P()))
+        self.state_shardings = TrainState(
+            shardings, jax.tree.map(lambda x: x.sharding, opt_state), step.sharding, self._sharding(P())
+        )
+        return TrainState(params, opt_state, step, model_state)
 
     def params(self, state: TrainState):
         """The full parameters of `state` as the single-device model holds them (an `nnx.State`)."""
@@ -386,7 +432,8 @@ class ParallelRun:
 
     def model(self, state: TrainState) -> nnx.Module:
         """An NNX model holding the parameters of `state`."""
-        return nnx.merge(self.graphdef, self.params(state), self.rest)
+        model_state = jax.device_put(state.model_state, self._sharding(P()))
+        return nnx.merge(self.graphdef, self.params(state), self._rest(model_state))
 
     # -- units as functions of their local parameter pieces ----------------------------
 
@@ -410,37 +457,41 @@ class ParallelRun:
             for k, w in ws.items()
         }
 
-    def _outer_model(self, ws: dict, bound: bool = True):
-        """The model holding the given outer pieces and zeros elsewhere (never read; XLA drops them).
+    def _outer_apply(self, ws: dict, stored, fn, bound: bool = True):
+        """`fn(model)` on the model holding the given outer pieces, zeros elsewhere (never read; XLA
+        drops them) and the outer variables `stored`; returns `(out, the outer variables after)`.
         `bound=False` (tracing outside the mesh, for shapes and reads) takes whole parameters and
         leaves the layers unbound: the model as on one device."""
         shape = (lambda leaf: leaf.local) if bound else (lambda leaf: leaf.shape)
         xs = [ws[k] if k in ws else jnp.zeros(shape(leaf), leaf.dtype) for k, leaf in enumerate(self.leaves)]
-        model = nnx.merge(self.graphdef, self.treedef.unflatten(xs), self.rest)
-        return self._bound(model) if bound else model
+        run = lambda model: fn(self._bound(model) if bound else model)
+        return self.outer_state.apply(self.graphdef, self.treedef.unflatten(xs), stored, run, fixed=self.blocks_fixed)
 
-    def _embed_raw(self, ws, batch, bound: bool = True):
-        return self.units.embed(self._outer_model(ws, bound), batch)
-
-    def _embed(self, ws, batch):
-        x = self._embed_raw(ws, batch)
+    def _embed(self, ws, batch, stored):
+        x, after = self._outer_apply(ws, stored, lambda m: self.units.embed(m, batch))
         if self.cfg.sequence_parallel:
             x = tp_math.split_sequence(x, self.cfg.tp_axis, self.cfg.backend)
-        return x
+        return x, after
 
-    def _head(self, ws, x, batch):
-        """`(total, (count or None, aux or None))` of the head's loss."""
+    def _head(self, ws, x, batch, stored):
+        """`(total, (count or None, aux or None, the outer variables after))` of the head's loss."""
         units = self.units
-        out = units.head_loss(self._outer_model(self._seq_local(ws)), x, batch)
+        out, after = self._outer_apply(self._seq_local(ws), stored, lambda m: units.head_loss(m, x, batch))
         loss, aux = out if units.has_aux else (out, None)
         total, count = loss if units.sum_and_count else (loss, None)
-        return total, (count, aux)
+        return total, (count, aux, after)
 
-    def _block(self, i: int, ws: dict, x, batch):
+    def _block(self, i: int, ws: dict, x, batch, stored):
+        """Block i on its pieces and its variables `stored`: `(y, its variables after)`."""
         ws = self._seq_local(ws)
         pure = self.block_trees[i].unflatten([ws[k] for k in self.block_leaves[i]])
-        block = self._bound(nnx.merge(self.block_defs[i], pure, self.block_rests[i]), self._block_prefix(i))
         call = self.units.block_call
+        run = lambda block: self._block_call(i, self._bound(block, self._block_prefix(i)), x, batch, call)
+        if self.block_states is None:
+            return run(nnx.merge(self.block_defs[i], pure, self.block_rests[i])), None
+        return self.block_states[i].apply(self.block_defs[i], pure, stored, run)
+
+    def _block_call(self, i, block, x, batch, call):
         y = call(block, x, batch) if call is not None else block(x)
         if getattr(y, "shape", None) != x.shape:
             shape = getattr(y, "shape", type(y).__name__)
@@ -559,11 +610,11 @@ class ParallelRun:
         body = jax.shard_map(
             self._local_grads,
             mesh=self.mesh,
-            in_specs=(specs, batch_spec),
-            out_specs=(specs, metrics_spec),
+            in_specs=(specs, P(), P(), batch_spec),
+            out_specs=(specs, P(), metrics_spec),
             check_vma=False,
         )
-        grads, metrics = body(state.params, batch)
+        grads, model_state, metrics = body(state.params, state.model_state, state.step, batch)
         norm = optax.global_norm(grads)
         if cfg.max_grad_norm is not None:
             scale = jnp.minimum(1.0, cfg.max_grad_norm / (norm + 1e-6))
@@ -575,13 +626,18 @@ class ParallelRun:
             skipped = ~jnp.isfinite(norm)
             keep = lambda new, old: jnp.where(skipped, old, new)
             params, opt_state = jax.tree.map(keep, (params, opt_state), (state.params, state.opt_state))
+            model_state = keep_if(skipped, model_state, state.model_state)
         params = jax.lax.with_sharding_constraint(params, self.state_shardings.params)
         opt_state = jax.lax.with_sharding_constraint(opt_state, self.state_shardings.opt_state)
-        new = TrainState(params, opt_state, state.step + 1)
+        new = TrainState(params, opt_state, state.step + 1, model_state)
         return new, {**metrics, "grad_norm": norm, "skipped": skipped}
 
-    def _local_grads(self, params, batch):
+    def _local_grads(self, params, model_state, step, batch):
         cfg = self.cfg
+        # RNG streams folded with the step and this data rank (every tp rank of it draws the same)
+        rank = jax.lax.axis_index(_axes(cfg.data_axes)) if cfg.data_axes else 0
+        outer_in = self.outer_state.for_step(model_state["outer"], rank, step)
+        blocks_in = [ms.for_step(model_state["blocks"][i], rank, step) for i, ms in enumerate(self.block_states or [])]
         gather, reduce = self._ops()
         kept = AsyncOp(lambda w, tok: ((w,), tok), lambda h, tok: (h[0], tok), "engine.kept")
         pieces = dict(enumerate(jax.tree.leaves(params)))
@@ -594,11 +650,11 @@ class ParallelRun:
 
         # forward: the embedding, then block i+1 gathered while block i computes
         embed_w, tok = _fetch(gather, unit(self.embed_leaves), tok)
-        x0, embed_vjp = jax.vjp(lambda w: self._embed(w, batch), embed_w)
-        saved_x, saved_w, used = [], [], []
+        x0, embed_vjp, outer_mid = jax.vjp(lambda w: self._embed(w, batch, outer_in), embed_w, has_aux=True)
+        saved_x, saved_w, used, blocks_out = [], [], [], []
 
         def block_fn(i):
-            fn = lambda w, x: self._block(i, w, x, batch)
+            fn = lambda w, x: self._block(i, w, x, batch, blocks_in[i] if blocks_in else None)
             return jax.checkpoint(fn) if cfg.remat else fn
 
         def forward(i, w, x):
@@ -606,7 +662,9 @@ class ParallelRun:
             saved_w.append(w)  # dropped by XLA when backward gathers again
             if cfg.record_weights:
                 used.append(self._weight_sum(w))
-            return block_fn(i)(w, x), None, None
+            y, after = block_fn(i)(w, x)
+            blocks_out.append(after)
+            return y, None, None
 
         xl, tok, _, _ = pipelined_loop(
             forward,
@@ -620,7 +678,9 @@ class ParallelRun:
         )
         head_w, tok = _fetch(gather, unit(self.head_leaves), tok)
         with loss_parallel_scope():
-            total, head_vjp, (count, aux) = jax.vjp(lambda w, x: self._head(w, x, batch), head_w, xl, has_aux=True)
+            total, head_vjp, (count, aux, outer_out) = jax.vjp(
+                lambda w, x: self._head(w, x, batch, outer_mid), head_w, xl, has_aux=True
+            )
         seed = jnp.ones_like(total)
         if count is not None:  # d(global sum / global count): the data-rank mean below restores the sum
             count = count.astype(jnp.float32)
@@ -633,7 +693,8 @@ class ParallelRun:
 
         # backward: block i-1 fetched and block i+1's gradients reduced while block i computes
         def backward(i, w, dx):
-            _, vjp = jax.vjp(block_fn(i), w, saved_x[i])
+            # the same inputs and variables as forward: the same dropout masks (and XLA shares the work)
+            _, vjp, _ = jax.vjp(block_fn(i), w, saved_x[i], has_aux=True)
             dw, dx_in = vjp(dx)
             return dx_in, dw, None
 
@@ -682,8 +743,20 @@ class ParallelRun:
             if cfg.tp > 1:
                 stacked, tok = comm.all_reduce(stacked, cfg.tp_axis, tok, op="sum", backend=cfg.backend)
             metrics["weights_used"] = stacked
+        new_model_state, tok = self._model_state_after(model_state, outer_out, blocks_out, tok)
         out = [grads[k].astype(self.leaves[k].dtype) for k in range(len(self.leaves))]
-        return self.treedef.unflatten(out), metrics
+        return self.treedef.unflatten(out), new_model_state, metrics
+
+    def _model_state_after(self, before, outer_out, blocks_out, tok):
+        """What the step stores (`ModelState.after_step`): batch statistics averaged over the mesh (the
+        data ranks' local statistics; tp ranks hold equal ones, or sequence chunks' under sequence
+        parallelism), RNG keys as they were, other variables as the forward left them."""
+        axes, backend = _axes(self.cfg.mesh.axis_names), self.cfg.backend
+        outer, tok = self.outer_state.after_step(before["outer"], outer_out, axes, tok, backend)
+        blocks = {}
+        for i, ms in enumerate(self.block_states or []):
+            blocks[i], tok = ms.after_step(before["blocks"][i], blocks_out[i], axes, tok, backend)
+        return {"outer": outer, "blocks": blocks}, tok
 
     def _reduce_aux(self, aux, tok):
         """Average the scalar-like aux leaves over the data ranks (per-example ones leave as they are)."""
@@ -729,14 +802,3 @@ def _fetch(op: AsyncOp, value, tok):
 
 def _axes(axes: tuple[str, ...]):
     return axes[0] if len(axes) == 1 else axes
-
-
-def _refuse_mutable_state(rest) -> None:
-    """Variables other than parameters that a forward would update (RNG counters, batch statistics)."""
-    kinds = {type(v).__name__ for _, v in rest.flat_state()}
-    mutable = sorted(k for k in kinds if k in ("RngCount", "RngKey", "BatchStat"))
-    if mutable:
-        raise ValueError(
-            f"Parallel: the model holds {mutable} variables (Dropout / BatchNorm state), which this strategy "
-            "does not carry yet; use DDP or FSDP for such models"
-        )

@@ -18,7 +18,6 @@ from jaxdist.ddp import DDP
 from jaxdist.engine import Parallel
 from jaxdist.fsdp import FSDP, Units
 from jaxdist.train.checkpoint import Checkpoints
-from jaxdist.train.gpt import GPT, GPTConfig
 
 IN, DIM, OUT, RANKS = 8, 16, 4, 8
 
@@ -122,19 +121,29 @@ def test_fsdp_refuses_blocks_with_another_static_definition(fsdp_mesh):
         FSDP(fsdp_mesh).prepare(model, optax.sgd(0.1), UNITS, data(1)[0])
 
 
-GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=2)
+@pytest.mark.parametrize(("shape", "names"), [((8,), ("dp",)), ((4, 2), ("dp", "tp"))], ids=["dp8", "dp4xtp2"])
+def test_the_unit_engine_draws_the_masks_and_statistics_of_ddp(shape, names):
+    """Dropout in the embed and every block, BatchNorm in every block: the unit engine folds the
+    same data rank and step into each RNG stream as DDP and averages the running statistics the
+    same way, so both train identically (under TP every tp rank of a data rank draws the same mask)."""
+    from jaxdist import tp_plan
 
-
-def test_the_unit_engine_refuses_non_parameter_state_it_does_not_carry():
-    from jaxdist.train.gpt import UNITS as GPT_UNITS
-    from jaxdist.train.gpt import tp_plan_for
-
-    mesh = cpu_mesh((4, 2), ("dp", "tp"))
-    batch = {"tokens": np.zeros((8, 17), np.int32)}
-    model = GPT(GPT_CFG, nnx.Rngs(0))
-    model.stats = nnx.BatchStat(jnp.zeros(3))
-    with pytest.raises(ValueError, match="BatchStat"):
-        Parallel(mesh, plan=tp_plan_for(GPT_CFG)).prepare(model, optax.sgd(0.1), GPT_UNITS, batch)
+    make = lambda: Net([0.5, 2.0, -1.0], nnx.Rngs(0), input_dropout=0.2, dropout=0.3, batchnorm=True)
+    batches = data(3, batch_size=64)
+    ddp = DDP(cpu_mesh((shape[0],), ("dp",)), zero1=False).prepare(make(), optax.sgd(0.1), net_loss, batches[0])
+    ddp_state, ddp_losses = run_steps(ddp, batches)
+    plan = tp_plan.TPPlan({"out": tp_plan.column(gather_output=True)}) if "tp" in names else None
+    engine = Parallel(cpu_mesh(shape, names), plan=plan).prepare(make(), optax.sgd(0.1), UNITS, batches[0])
+    state, losses = run_steps(engine, batches)
+    assert len(set(losses)) == len(losses)
+    np.testing.assert_allclose(losses, ddp_losses, rtol=LOSS_RTOL)
+    assert_params_close(engine.params(state), ddp.params(ddp_state), atol=1e-5)
+    ours, theirs = engine.model(state), ddp.model(ddp_state)
+    for i in range(3):  # the running statistics, averaged over the data ranks
+        np.testing.assert_allclose(ours.blocks[i].norm.mean[...], theirs.blocks[i].norm.mean[...], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ours.blocks[i].norm.var[...], theirs.blocks[i].norm.var[...], rtol=1e-5, atol=1e-6)
+    ours.eval()
+    assert ours.blocks[0].drop.deterministic  # eval mode: dropout off, running statistics used
 
 
 # -- dropout: per rank, per step, and resumed -----------------------------------------------------

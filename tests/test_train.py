@@ -27,14 +27,15 @@ def cfg(tmp_path, *overrides, name="run"):
     return config_lib.load(None, [*BASE, f"run.out_dir={tmp_path / name}", *overrides])
 
 
-def test_resume_continues_with_the_same_losses(tmp_path):
-    whole = train(cfg(tmp_path, "run.steps=6", "run.checkpoint_every=-1", name="whole"))
-    first = train(cfg(tmp_path, "run.steps=6", name="split"), stop_after=3)  # stops and saves at step 3
-    rest = train(cfg(tmp_path, "run.steps=6", name="split"))  # resumes from it
+@pytest.mark.parametrize("parallel", ["parallel.tp=1", "parallel.tp=2"], ids=["ddp", "engine-dp4xtp2"])
+def test_resume_continues_with_the_same_losses(tmp_path, parallel):
+    whole = train(cfg(tmp_path, parallel, "run.steps=6", "run.checkpoint_every=-1", name="whole"))
+    first = train(cfg(tmp_path, parallel, "run.steps=6", name="split"), stop_after=3)  # stops and saves at step 3
+    rest = train(cfg(tmp_path, parallel, "run.steps=6", name="split"))  # resumes from it
     assert len(first) == 3 and len(rest) == 3
     np.testing.assert_array_equal(first + rest, whole)
     assert len(set(whole)) == 6  # a real run: every step's loss differs
-    assert train(cfg(tmp_path, "run.steps=6", name="split")) == []  # finished: running again is a no-op
+    assert train(cfg(tmp_path, parallel, "run.steps=6", name="split")) == []  # finished: running again is a no-op
 
 
 def test_restore_onto_another_mesh_gives_the_same_next_loss(tmp_path):
