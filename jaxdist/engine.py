@@ -42,7 +42,7 @@ from jaxdist import tp as tp_math
 from jaxdist._pipeline import AsyncOp, check_buffers, pipelined_loop
 from jaxdist._step import PlacedStep, TrainState, local_batch_avals
 from jaxdist.model_state import ModelState, keep_if, training_copy
-from jaxdist.tp_plan import Binding, TPPlan, bind, from_storage, loss_parallel_scope, to_storage
+from jaxdist.tp_plan import Binding, TPPlan, bind, from_storage, to_storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +224,14 @@ class ParallelRun:
                 [k for k, leaf in enumerate(self.leaves) if leaf.path[:2] == (units.blocks, i)]
                 for i in range(self.n_blocks)
             ]
+        if self.n_blocks == 0:
+            raise ValueError(f"Parallel: the model's {units.blocks!r} holds no blocks; units need at least one")
+        for i in range(self.n_blocks if not units.stacked else 0):
+            if self.block_trees[i].num_leaves != len(self.block_leaves[i]):
+                raise ValueError(
+                    f"Parallel: block {i} shares parameters with another part of the model; every block must own "
+                    "its parameters (a tied weight belongs to the embed and head units)"
+                )
         outer = [k for k, leaf in enumerate(self.leaves) if leaf.path[0] != units.blocks]
         n_data = int(np.prod([cfg._size(a) for a in cfg.data_axes]))
         self.n_data = n_data
@@ -233,6 +241,11 @@ class ParallelRun:
         start = self.initial_model_state["outer"]
         embed = lambda ws, b: self._outer_apply(ws, start, lambda m: units.embed(m, b), bound=False)[0]
         x_aval = jax.eval_shape(embed, self._avals(outer, whole=True), self.local_batch)
+        if cfg.sequence_parallel and (x_aval.ndim < 2 or x_aval.shape[1] % cfg.tp):
+            raise ValueError(
+                f"Parallel: sequence_parallel splits dimension 1 of the activations {x_aval.shape} over tp={cfg.tp}; "
+                "it must divide (change the sequence length) or turn sequence_parallel off"
+            )
         zeros_x = lambda: jnp.zeros(x_aval.shape, x_aval.dtype)
         head = lambda ws, b: self._outer_apply(ws, start, lambda m: units.head_loss(m, zeros_x(), b), bound=False)[0]
         self.aux_specs = self._aux_specs(jax.eval_shape(head, self._avals(outer, whole=True), self.local_batch))
@@ -677,10 +690,9 @@ class ParallelRun:
             unroll=True,
         )
         head_w, tok = _fetch(gather, unit(self.head_leaves), tok)
-        with loss_parallel_scope():
-            total, head_vjp, (count, aux, outer_out) = jax.vjp(
-                lambda w, x: self._head(w, x, batch, outer_mid), head_w, xl, has_aux=True
-            )
+        total, head_vjp, (count, aux, outer_out) = jax.vjp(
+            lambda w, x: self._head(w, x, batch, outer_mid), head_w, xl, has_aux=True
+        )
         seed = jnp.ones_like(total)
         if count is not None:  # d(global sum / global count): the data-rank mean below restores the sum
             count = count.astype(jnp.float32)

@@ -27,7 +27,6 @@ plan's collectives. Splitting and joining parameters derive from the plan.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
 import functools
@@ -91,49 +90,57 @@ def vocab(loss_parallel: bool = False) -> Placement:
 
 
 # -- a loss over logits split along the vocabulary ---------------------------------------------
-# A head bound with `loss_parallel` registers its local logits here; `cross_entropy` finds them and
-# reduces only per-token scalars over tp. `loss_parallel_scope` (the engine wraps each head call in
-# it) raises if registered logits reached no `cross_entropy`: read any other way they would be one
-# rank's slice, silently wrong.
+# A head bound with `loss_parallel` returns its logits wrapped: only `cross_entropy` unwraps them,
+# and it reduces only per-token scalars over tp. Any other use of the wrapper (arithmetic, a jnp
+# function, optax's loss) raises, since one rank's slice of the logits read as whole logits would
+# be silently wrong.
 
-_local_logits: dict[int, tuple] = {}
+_MISUSE = (
+    "TP plan: these logits are this rank's vocabulary slice (loss_parallel=True); only "
+    "jaxdist.tp_plan.cross_entropy(logits, labels) reads them. Compute the loss with it, or gather "
+    "the logits (gather_output=True, or loss_parallel=False on a vocab embedding) to use them otherwise"
+)
 
 
-def _register(logits, binding: Binding):
-    _local_logits[id(logits)] = (logits, binding, [False])
-    return logits
+class VocabShardedLogits:
+    """Logits split along the vocabulary over tp, as a loss-parallel head returns them."""
+
+    __slots__ = ("_logits", "_binding")
+
+    def __init__(self, logits: jax.Array, binding: Binding):
+        self._logits, self._binding = logits, binding
+
+    def __jax_array__(self):
+        raise ValueError(_MISUSE)
+
+    __array__ = __jax_array__
+
+    def _refuse(self, *args, **kwargs):
+        raise ValueError(_MISUSE)
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __getitem__ = __neg__ = __pow__ = __matmul__ = __rmatmul__ = astype = _refuse
+
+    @property
+    def shape(self):
+        return self._logits.shape
+
+    @property
+    def dtype(self):
+        return self._logits.dtype
 
 
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+def cross_entropy(logits, labels: jax.Array) -> jax.Array:
     """Per-token softmax cross-entropy with integer labels, in float32 (optax's on one device).
 
     Under a TP plan whose head is `column(loss_parallel=True)` (or `vocab(loss_parallel=True)` for a
     tied `attend`), `logits` are this rank's vocabulary slice and the loss is computed without
     gathering them (`jaxdist.tp.vocab_parallel_cross_entropy`).
     """
-    entry = _local_logits.get(id(logits))
-    if entry is not None and entry[0] is logits:
-        _, b, used = entry
-        used[0] = True
-        return tp_math.vocab_parallel_cross_entropy(logits, labels, b.axis, backend=b.backend)
+    if isinstance(logits, VocabShardedLogits):
+        b = logits._binding
+        return tp_math.vocab_parallel_cross_entropy(logits._logits, labels, b.axis, backend=b.backend)
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
-
-
-@contextlib.contextmanager
-def loss_parallel_scope():
-    """Around a head's call: every vocabulary-parallel logits it made must reach `cross_entropy`."""
-    _local_logits.clear()
-    try:
-        yield
-        unused = [e for e in _local_logits.values() if not e[2][0]]
-        if unused:
-            raise ValueError(
-                "TP plan: the head's logits are split over tp (loss_parallel=True) but did not reach "
-                "jaxdist.tp_plan.cross_entropy; compute the loss with it, or gather the logits "
-                "(gather_output=True / loss_parallel=False)"
-            )
-    finally:
-        _local_logits.clear()
 
 
 def replicated() -> Placement:
@@ -159,7 +166,10 @@ class TPPlan:
         return hits[0] if hits else None
 
     def divided(self, module_path: tuple) -> tuple[str, ...]:
-        return tuple(a for pattern, attrs in self.divide.items() if _matches(pattern, module_path) for a in attrs)
+        hits = [attrs for pattern, attrs in self.divide.items() if _matches(pattern, module_path)]
+        if len(hits) > 1:
+            raise ValueError(f"TPPlan: module {'/'.join(map(str, module_path))} matches more than one divide rule")
+        return tuple(hits[0]) if hits else ()
 
     def param_split(self, param_path: tuple, ndim: int) -> tuple[int | None, int]:
         """(split dim or None, groups) of the parameter at `param_path` (module path + name)."""
@@ -353,7 +363,7 @@ def _column_call(self, x, *args, **kwargs):
     b: Binding = self._jaxdist_tp
     y = type(self).__mro__[1].__call__(self, b.enter(x), *args, **kwargs)
     if self._jaxdist_loss_parallel:
-        return _register(y, b)
+        return VocabShardedLogits(y, b)
     return gather_features(y, b.axis, b.backend) if self._jaxdist_gather else y
 
 
@@ -376,7 +386,7 @@ def _vocab_attend(self, query, *args, **kwargs):
     b: Binding = self._jaxdist_tp
     logits = type(self).__mro__[1].attend(self, b.enter(query), *args, **kwargs)
     if self._jaxdist_loss_parallel:
-        return _register(logits, b)
+        return VocabShardedLogits(logits, b)
     return gather_features(logits, b.axis, b.backend)
 
 

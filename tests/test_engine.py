@@ -302,21 +302,27 @@ def test_tp_runs_the_models_own_forward_in_its_dtype():
 # -- errors ----------------------------------------------------------------------------------
 
 
-def test_vocab_parallel_logits_must_reach_the_vocab_parallel_loss():
+def test_vocab_parallel_logits_are_read_only_by_the_vocab_parallel_loss():
     """A head bound with loss_parallel leaves each rank one slice of the logits: a loss that reads
-    them with optax directly would be silently wrong, so tracing the step raises instead."""
+    them otherwise (optax directly, or a z-loss beside the cross-entropy) would be silently wrong,
+    so tracing the step raises instead."""
     mesh = cpu_mesh((4, 2), ("dp", "tp"))
+    labels = lambda batch: batch["tokens"][:, 1:]
 
     def optax_head_loss(model, x, batch):
         logits = model.logits(x).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels(batch)).mean()
 
-    units = dataclasses.replace(UNITS, head_loss=optax_head_loss)
-    run = Parallel(mesh, plan=tp_plan_for(GPT_CFG)).prepare(
-        GPT(GPT_CFG, nnx.Rngs(0)), adamw(), units, gpt_batches(1)[0]
-    )
-    with pytest.raises(ValueError, match="did not reach jaxdist.tp_plan.cross_entropy"):
-        run.step(run.state, gpt_batches(1)[0])
+    def z_loss_head(model, x, batch):
+        logits = model.logits(x)
+        return tp_plan.cross_entropy(logits, labels(batch)).mean() + jnp.mean(jax.nn.logsumexp(logits, -1) ** 2)
+
+    for head_loss in (optax_head_loss, z_loss_head):
+        units = dataclasses.replace(UNITS, head_loss=head_loss)
+        model = GPT(GPT_CFG, nnx.Rngs(0))
+        run = Parallel(mesh, plan=tp_plan_for(GPT_CFG)).prepare(model, adamw(), units, gpt_batches(1)[0])
+        with pytest.raises(ValueError, match="only jaxdist.tp_plan.cross_entropy"):
+            run.step(run.state, gpt_batches(1)[0])
 
 
 def test_bad_plans_and_meshes_raise_clear_errors():
