@@ -122,12 +122,13 @@ def agree_before_shutdown(timeout_s: float) -> None:
 
 
 def exit_after_failure() -> None:
-    """End a process whose watchdog tripped: status 1, after lingering two polling periods so the
-    other processes can read its failure from the key-value store it may be hosting."""
+    """End a process whose watchdog tripped: status 1 at once, except process 0, which hosts the
+    key-value store: it lingers two polling periods so the others can read its failure. (A process
+    lingering after process 0 left would be aborted by jax's coordination client, SIGABRT.)"""
     message = (_monitor.message if _monitor is not None else "") or failure()
     # Said once more at the very end: the exception's own traceback may have been another one's.
     print(f"jaxdist: exiting with status 1: {message}", file=sys.stderr, flush=True)
-    if _monitor is not None and _kv_client() is not None:
+    if _monitor is not None and _kv_client() is not None and _process_index() == 0:
         time.sleep(2 * _monitor.period_s + 0.5)
     sys.stdout.flush()
     sys.stderr.flush()
