@@ -53,6 +53,12 @@ class AsyncOp:
     crosses_loops: bool = True  # False: handles may not be carried through a scan (the nccl backend's)
 
 
+def kept(name: str) -> AsyncOp:
+    """A "fetch" of weights already at hand (kept from the forward): starting it holds them, waiting
+    returns them. Backward runs the same loop whether it gathers again or reads what it kept."""
+    return AsyncOp(lambda w, tok: ((w,), tok), lambda h, tok: (h[0], tok), name)
+
+
 def pipelined_loop(
     compute: Callable,
     carry,

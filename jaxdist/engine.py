@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
 from jaxdist import tp as tp_math
-from jaxdist._pipeline import AsyncOp, check_buffers, pipelined_loop
+from jaxdist._pipeline import AsyncOp, check_buffers, kept, pipelined_loop
 from jaxdist._step import PlacedStep, TrainState, local_batch_avals
 from jaxdist.model_state import ModelState, keep_if, training_copy
 from jaxdist.tp_plan import Binding, TPPlan, bind, from_storage, to_storage
@@ -652,7 +652,6 @@ class ParallelRun:
         outer_in = self.outer_state.for_step(model_state["outer"], rank, step)
         blocks_in = [ms.for_step(model_state["blocks"][i], rank, step) for i, ms in enumerate(self.block_states or [])]
         gather, reduce = self._ops()
-        kept = AsyncOp(lambda w, tok: ((w,), tok), lambda h, tok: (h[0], tok), "engine.kept")
         pieces = dict(enumerate(jax.tree.leaves(params)))
         unit = lambda ks: {k: pieces[k] for k in ks}
         if self.units.stacked:  # block i: layer i of every stacked leaf
@@ -713,7 +712,7 @@ class ParallelRun:
         def finish(i, g, acc, tok):
             return {**acc, i: g}, tok
 
-        fetch = gather if cfg.regather else kept
+        fetch = gather if cfg.regather else kept("engine.kept")
         fetch_input = (lambda i, _: block_unit(i)) if cfg.regather else (lambda i, _: saved_w[i])
         dx0, tok, per_block, _ = pipelined_loop(
             backward,

@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
-from jaxdist._pipeline import AsyncOp, check_buffers, pipelined_loop
+from jaxdist._pipeline import AsyncOp, check_buffers, kept, pipelined_loop
 from jaxdist._step import TrainState, local_batch_avals, sharded_step
 from jaxdist.buckets import Bucket, bucket_layout, pack_bucket, param_name, unpack_bucket
 from jaxdist.engine import Units
@@ -488,7 +488,7 @@ class FSDPRun:
         elif cfg.reshard_after_forward:
             fetch, fetch_input = gather, lambda u, _: _index(blocks, u)
         else:  # the weights kept from the forward: "fetching" them is reading them
-            fetch = AsyncOp(lambda w, tok: ((w,), tok), lambda h, tok: (h[0], tok), "fsdp.kept")
+            fetch = kept("fsdp.kept")
             fetch_input = lambda u, _: _index(saved_w, u)
         dx0, tok, block_out, _ = pipelined_loop(
             backward,
