@@ -88,6 +88,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "jaxdist_set_timeout_ms": (None, [c.c_int64]),
         "jaxdist_set_debug_delay_us": (None, [c.c_int64]),
         "jaxdist_set_poll_mode": (None, [c.c_int]),
+        "jaxdist_poll_counts": (None, [c.POINTER(c.c_int64)]),
+        "jaxdist_poll_counts_reset": (None, []),
         "jaxdist_watchdog_start": (None, [c.c_int64]),
         "jaxdist_watchdog_stop": (None, []),
         "jaxdist_watchdog_check": (None, []),

@@ -141,3 +141,35 @@ def test_the_nccl_backend_without_gpus_says_to_use_xla():
     )
     with pytest.raises(RuntimeError, match="needs CUDA GPUs.*backend='xla'"):
         jax.jit(f).lower(jax.ShapeDtypeStruct((8,), jnp.float32, sharding=jax.NamedSharding(mesh, jax.P("x"))))
+
+
+def test_adaptive_poll_busy_polls_a_short_wait_without_yielding_or_sleeping(runs):
+    # NCCL finishes a non-blocking group end on its own thread within tens of us: a
+    # yield or a sleep per poll costs more than that wait (issue 15: 70-89 us per op)
+    r = runs["poll_adaptive_20_in_progress"]
+    assert r["error"] is None
+    assert r["log"].count("CommGetAsyncError -> InProgress") == 20
+    assert r["counts"] == {"yields": 0, "sleeps": 0}
+
+
+def test_yield_poll_mode_yields_between_polls(runs):
+    # the counters count: the mode that yields shows one yield per in-progress answer
+    r = runs["poll_yield_20_in_progress"]
+    assert r["error"] is None and r["counts"] == {"yields": 20, "sleeps": 0}
+
+
+def test_local_poll_mode_starts_nccls_group_thread_on_the_issuing_cpu(runs):
+    local, default = runs["group_thread_local"], runs["group_thread_adaptive"]
+    assert local["log"][-2:] == ["GroupEnd", "CommGetAsyncError -> Success"]  # polled until NCCL's thread is done
+    assert local["thread_cpus"] == 1
+    assert local["caller_cpus_after"] == local["caller_cpus_before"]  # the caller's affinity is restored
+    assert default["thread_cpus"] == len(default["caller_cpus_before"])  # other modes leave it alone
+
+
+def test_a_poll_held_inside_nccl_does_not_hold_up_another_devices_communicator(runs):
+    # one process driving two GPUs polls both communicators from two threads; a poll can
+    # sit inside ncclCommGetAsyncError (joining NCCL's group thread): the other goes on
+    r = runs["independent_polls"]
+    assert r["held_entered"]
+    assert r["other_finished_while_held"], "the second communicator waited for the first one's poll"
+    assert r["both_finished"]
