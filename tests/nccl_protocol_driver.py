@@ -17,7 +17,7 @@ from jaxdist import _native
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, SENDRECV = 0, 1, 2, 3
 NCCL_INTERNAL_ERROR = 3
 NCCL_IN_PROGRESS = 7
-POLL_MODES = {"yield": 0, "spin": 1, "adaptive": 2, "local": 3}  # jaxdist.comm.nccl._POLL_MODES
+POLL_MODES = {"yield": 0, "spin": 1, "local": 2}  # jaxdist.comm.nccl._POLL_MODES
 
 
 def poll_counts(lib) -> dict:
@@ -119,18 +119,18 @@ def main() -> None:
     init(key, 1)
     scenario("destroy", lambda: _native.call("jaxdist_comm_destroy", key))
 
-    # How the wait spends an op that stays in progress for 20 polls, per poll mode.
-    for mode in ("yield", "adaptive"):
+    # How the wait spends an op that stays in progress for a few polls, per poll mode.
+    for mode, n in (("yield", 20), ("local", 5), ("local", 20)):
         op = run_on_new_comm(ALL_REDUCE, 0)
         lib.jaxdist_set_poll_mode(POLL_MODES[mode])
         lib.jaxdist_poll_counts_reset()
-        scenario(f"poll_{mode}_20_in_progress", op, in_progress=20)
-        results[f"poll_{mode}_20_in_progress"]["counts"] = poll_counts(lib)
-    lib.jaxdist_set_poll_mode(POLL_MODES["adaptive"])
+        scenario(f"poll_{mode}_{n}_in_progress", op, in_progress=n)
+        results[f"poll_{mode}_{n}_in_progress"]["counts"] = poll_counts(lib)
+    lib.jaxdist_set_poll_mode(POLL_MODES["local"])
 
     # NCCL's own thread per non-blocking group end, started where the issuing thread may run.
     fake.fake_nccl_set_group_threads.argtypes = [ctypes.c_int]
-    for mode in ("adaptive", "local"):
+    for mode in ("yield", "local"):
         op = run_on_new_comm(ALL_REDUCE, 0)
         fake.fake_nccl_set_group_threads(1)
         lib.jaxdist_set_poll_mode(POLL_MODES[mode])
@@ -142,7 +142,7 @@ def main() -> None:
             "caller_cpus_after": sorted(os.sched_getaffinity(0)),
             "log": fake.fake_nccl_log().decode().splitlines(),
         }
-    lib.jaxdist_set_poll_mode(POLL_MODES["adaptive"])
+    lib.jaxdist_set_poll_mode(POLL_MODES["local"])
 
     # Two devices' communicators polled at once: one held inside ncclCommGetAsyncError
     # (as NCCL joining its group thread) must not hold up the other.

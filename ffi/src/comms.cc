@@ -15,7 +15,7 @@ namespace {
 
 std::atomic<int64_t> timeout_ms{300000};
 std::atomic<int64_t> debug_delay_us{0};
-std::atomic<int> poll_mode{static_cast<int>(PollMode::kAdaptive)};
+std::atomic<int> poll_mode{static_cast<int>(PollMode::kLocal)};
 std::atomic<int64_t> poll_yields{0};
 std::atomic<int64_t> poll_sleeps{0};
 
@@ -93,8 +93,9 @@ std::string Poll(const NcclApi& nccl, Comm& comm, const char* op, ncclResult_t i
   const PollMode mode = GetPollMode();
   // A non-blocking ncclGroupEnd hands the launch to a thread of NCCL's own, which
   // finishes in tens of microseconds when healthy. In the first 500 us the poller
-  // busy-polls or yields (mode); sleep_for would round up to the timer slack
-  // (~50 us). Then it sleeps with back-off so a slow peer burns no CPU.
+  // busy-polls or yields (mode): sleep_for would round up to the timer slack
+  // (~50 us), and busy-polling for long keeps NCCL's thread off a shared CPU. Then
+  // it sleeps with back-off so a slow peer burns no CPU.
   auto nap = std::chrono::microseconds(20);
   for (int polls = 1;; ++polls) {
     ncclResult_t state = ncclInProgress;
@@ -117,9 +118,7 @@ std::string Poll(const NcclApi& nccl, Comm& comm, const char* op, ncclResult_t i
     }
     const auto waited = now - start;
     if (waited < std::chrono::microseconds(500)) {
-      const bool spin = mode == PollMode::kSpin ||
-                        (mode == PollMode::kAdaptive &&
-                         (polls < kSpinPolls || waited < std::chrono::microseconds(kSpinUs)));
+      const bool spin = mode == PollMode::kSpin || (mode == PollMode::kLocal && polls <= kSpinPolls);
       if (spin) {
         CpuRelax();
       } else {

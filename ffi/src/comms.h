@@ -35,21 +35,21 @@ struct Comm {
 
 // Deadline for one poll loop, and the injected delay before each NCCL op.
 void SetTimeoutMs(int64_t ms);
-// How Poll waits for a non-blocking communicator. In its first 500 us:
+// How Poll waits for a non-blocking communicator. Each of its ncclGroupEnd calls
+// hands the launch to a new thread of NCCL's own (NCCL 2.28 src/group.cc), which
+// Poll waits for. In the first 500 us:
 enum class PollMode {
-  kYield = 0,     // yield the CPU between polls
-  kSpin = 1,      // busy-poll
-  kAdaptive = 2,  // busy-poll a short while (kSpinPolls polls and kSpinUs), then yield (the default)
-  // as kYield, and NCCL's group thread (one per ncclGroupEnd of a non-blocking
-  // communicator) is started on the issuing CPU, so it runs the moment the poller
-  // yields, on warm caches, instead of waking an idle core
-  kLocal = 3,
+  kYield = 0,  // yield the CPU between polls
+  kSpin = 1,   // busy-poll
+  // busy-poll kSpinPolls polls, then yield; NCCL's group thread is started on the
+  // issuing CPU (it inherits a one-CPU affinity), so it runs the moment the poller
+  // yields, on warm caches, instead of waiting for an idle core to wake (the default)
+  kLocal = 2,
 };
 // After 500 us every mode sleeps with back-off (20 us doubling to 1 ms).
 void SetPollMode(int mode);
 PollMode GetPollMode();
-constexpr int kSpinPolls = 64;
-constexpr int kSpinUs = 20;
+constexpr int kSpinPolls = 8;
 // How often Poll yielded and slept since the last reset (for the tests).
 struct PollCounts {
   int64_t yields = 0;

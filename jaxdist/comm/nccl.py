@@ -50,7 +50,7 @@ _TARGETS = (
     "jaxdist_bench_ungrouped",
 )
 # ffi/src/comms.h PollMode: how a wait for a non-blocking communicator spends its first 500 us
-_POLL_MODES = {"yield": 0, "spin": 1, "adaptive": 2, "local": 3}
+_POLL_MODES = {"yield": 0, "spin": 1, "local": 2}
 POLL_ENV = "JAXDIST_NCCL_POLL"
 
 
@@ -80,7 +80,7 @@ def load() -> ctypes.CDLL:
         raise _native.NativeLibraryError(str(e)) from None
     lib.jaxdist_set_timeout_ms(int(float(os.environ.get(TIMEOUT_ENV, "300")) * 1000))
     lib.jaxdist_set_debug_delay_us(int(os.environ.get(DELAY_ENV, "0")))
-    lib.jaxdist_set_poll_mode(_poll_mode(os.environ.get(POLL_ENV, "adaptive")))
+    lib.jaxdist_set_poll_mode(_poll_mode(os.environ.get(POLL_ENV, "local")))
     for name in _TARGETS:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="CUDA")
     watchdog.start(_timeout_s())
@@ -100,9 +100,10 @@ def _poll_mode(name: str) -> int:
 
 
 def set_poll_mode(mode: str) -> None:
-    """How a wait for a non-blocking communicator spends its first 500 us (then it sleeps with back-off):
-    "adaptive" (default) busy-polls for 64 polls and 20 us, then yields; "yield" yields between polls;
-    "spin" busy-polls; "local" yields and starts NCCL's group thread on the issuing CPU."""
+    """How a wait for a non-blocking communicator spends its first 500 us (then it sleeps with back-off).
+
+    "local" (default): NCCL's group thread (one per op) starts on the issuing CPU; the wait busy-polls
+    8 polls, then yields that CPU to it. "yield": yields between polls. "spin": busy-polls."""
     load().jaxdist_set_poll_mode(_poll_mode(mode))
 
 
