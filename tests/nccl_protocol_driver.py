@@ -13,11 +13,11 @@ import threading
 import time
 
 from jaxdist import _native
+from jaxdist.comm.nccl import _POLL_MODES as POLL_MODES
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, SENDRECV = 0, 1, 2, 3
 NCCL_INTERNAL_ERROR = 3
 NCCL_IN_PROGRESS = 7
-POLL_MODES = {"yield": 0, "spin": 1, "local": 2}  # jaxdist.comm.nccl._POLL_MODES
 
 
 def poll_counts(lib) -> dict:
