@@ -148,6 +148,9 @@ namespace {
 // Restricts the calling thread to the CPU it runs on for its lifetime, then
 // restores its affinity. A thread created meanwhile (NCCL's group thread)
 // inherits the one-CPU mask and keeps it. Does nothing where the masks cannot be read or set.
+// NCCL 2.28 starts its long-lived threads (proxy service and progress, RAS, socket
+// helpers) at init or from those threads, never from the group thread; only the
+// group's short-lived connection jobs (first use of a peer or algorithm) inherit the mask.
 class PinToThisCpu {
  public:
   PinToThisCpu() {
