@@ -287,7 +287,8 @@ def main() -> None:
     out = header + "\n\n" + table(rows, args.baseline)
     print("\n" + out)
     if not args.cpu:
-        command = "python bench/strategies.py " + " ".join(sys.argv[1:])
+        nonblocking = "JAXDIST_BENCH_NCCL_BLOCKING=0 " if os.environ.get("JAXDIST_BENCH_NCCL_BLOCKING") == "0" else ""
+        command = nonblocking + "python bench/strategies.py " + " ".join(sys.argv[1:])
         append_result("Strategies on all GPUs: speed, MFU, memory", command, device, out)
 
 
