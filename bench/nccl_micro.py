@@ -102,6 +102,7 @@ def with_settings(f, *, poll: str = DEFAULT_POLL, recorder: bool = True):
             nccl.set_poll_mode(DEFAULT_POLL)
             nccl.set_recorder(True)
 
+    run.f = f
     return run
 
 
@@ -163,19 +164,22 @@ def compare_size(gpus, meshes: dict, nbytes: int, calls: int, reps: int, poll_mo
         axis: jax.device_put(jnp.ones((n * max(nbytes // 4, 1),), jnp.float32), NamedSharding(mesh, P(axis)))
         for axis, mesh in meshes.items()
     }
-    programs = {"empty": (build(meshes["b"], "b", "empty", calls), xs["b"])}
-    programs["memcpy"] = (build(meshes["b"], "b", "memcpy", calls), xs["b"])
+    # every program runs through the same wrapper (its settings calls cost all variants alike)
+    b, nb = meshes["b"], meshes["nb"]
+    programs = {
+        "empty": (with_settings(build(b, "b", "empty", calls)), xs["b"]),
+        "memcpy": (with_settings(build(b, "b", "memcpy", calls)), xs["b"]),
+    }
     for op in OPS:
-        blocking = build(meshes["b"], "b", f"{op}:nccl", calls)
-        programs[f"{op} b"] = (blocking, xs["b"])
-        nonblocking = build(meshes["nb"], "nb", f"{op}:nccl", calls)
+        programs[f"{op} b"] = (with_settings(build(b, "b", f"{op}:nccl", calls)), xs["b"])
+        nonblocking = build(nb, "nb", f"{op}:nccl", calls)
         for mode in poll_modes:
             programs[f"{op} nb {mode}"] = (with_settings(nonblocking, poll=mode), xs["nb"])
         if n > 1:
-            programs[f"{op} xla"] = (build(meshes["b"], "b", f"{op}:xla", calls), xs["b"])
-    grouped = build(meshes["b"], "b", "all_reduce:nccl", calls)
-    programs["all_reduce b ungrouped"] = (build(meshes["b"], "b", "all_reduce_ungrouped:nccl", calls), xs["b"])
-    programs["all_reduce b recorder off"] = (with_settings(grouped, recorder=False), xs["b"])
+            programs[f"{op} xla"] = (with_settings(build(b, "b", f"{op}:xla", calls)), xs["b"])
+    ungrouped = build(b, "b", "all_reduce_ungrouped:nccl", calls)
+    programs["all_reduce b ungrouped"] = (with_settings(ungrouped), xs["b"])
+    programs["all_reduce b recorder off"] = (with_settings(programs["all_reduce b"][0].f, recorder=False), xs["b"])
     t = measure(programs, reps)
 
     default = poll_modes[0]
@@ -185,11 +189,11 @@ def compare_size(gpus, meshes: dict, nbytes: int, calls: int, reps: int, poll_mo
     lines = [f"{nbytes} bytes per rank (us per call; nb = non-blocking, poll '{default}'; medians of paired diffs)"]
     lines.append(head)
     for op in OPS:
-        b, nb = f"{op} b", f"{op} nb {default}"
-        ratio = np.median(t[nb] - t["empty"]) / max(np.median(t[b] - t["empty"]), 1e-9)
-        row = f"{op:15} {per_call(t, b, 'memcpy', calls):>10.2f} {per_call(t, nb, 'memcpy', calls):>11.2f}"
-        row += f" {per_call(t, nb, b, calls):>8.2f} {ratio:>7.2f}"
-        row += "".join(f" {per_call(t, f'{op} nb {m}', b, calls):>14.2f}" for m in poll_modes[1:])
+        blk, nbk = f"{op} b", f"{op} nb {default}"
+        ratio = np.median(t[nbk] - t["empty"]) / max(np.median(t[blk] - t["empty"]), 1e-9)
+        row = f"{op:15} {per_call(t, blk, 'memcpy', calls):>10.2f} {per_call(t, nbk, 'memcpy', calls):>11.2f}"
+        row += f" {per_call(t, nbk, blk, calls):>8.2f} {ratio:>7.2f}"
+        row += "".join(f" {per_call(t, f'{op} nb {m}', blk, calls):>14.2f}" for m in poll_modes[1:])
         row += f" {per_call(t, f'{op} xla', 'memcpy', calls):>12.2f}" if n > 1 else ""
         lines.append(row)
     memcpy_us = np.median(t["memcpy"] - t["empty"]) / calls * 1e6
