@@ -104,6 +104,12 @@ def _declare(lib: ctypes.CDLL) -> None:
             [c.c_int64, c.c_int, c.c_int, c.c_int64, c.c_int, c.c_int, c.c_char_p, c.c_int],
         ),
     }
+    missing = [name for name in sig if not hasattr(lib, name)]
+    if missing:
+        raise NativeLibraryError(
+            f"jaxdist's FFI library {lib._name} is older than this jaxdist (it lacks {', '.join(missing)}); "
+            f"rebuild it (`pip install -e .`, or CMake on ffi/ and ${LIBRARY_ENV})"
+        )
     for name, (restype, argtypes) in sig.items():
         fn = getattr(lib, name)
         fn.restype = restype

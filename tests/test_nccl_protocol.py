@@ -175,3 +175,13 @@ def test_a_poll_held_inside_nccl_does_not_hold_up_another_devices_communicator(r
     assert r["held_entered"]
     assert r["other_finished_while_held"], "the second communicator waited for the first one's poll"
     assert r["both_finished"]
+
+
+def test_an_ffi_library_older_than_the_python_side_gives_a_clear_error():
+    # a library that lacks entry points (here: the fake libnccl, which has none) says to rebuild
+    code = "import jaxdist._native as n; n.ffi_library()"
+    env = {**os.environ, "JAXDIST_FFI_LIBRARY": str(FAKE)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert "NativeLibraryError" in last and "is older than this jaxdist" in last and "rebuild it" in last
