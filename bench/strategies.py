@@ -22,6 +22,8 @@ bench/RESULTS.md.
 
     python bench/strategies.py [--models 350m,1.3b] [--configs 1gpu,xla-fsdp,fsdp-nccl] [--steps 10]
     python bench/strategies.py --cpu --models tiny --steps 2   # dry run, 8 simulated CPU devices, not recorded
+
+`JAXDIST_BENCH_NCCL_BLOCKING=0` makes the nccl configurations' communicators non-blocking.
 """
 
 import os
@@ -68,7 +70,7 @@ def mesh_for(devices, shape: tuple, names: tuple, backend: str | None) -> Mesh:
     """A mesh over `devices`; with the nccl backend, also jaxdist's communicators for it."""
     mesh = Mesh(np.asarray(devices).reshape(shape), names, axis_types=(AxisType.Explicit,) * len(names))
     if backend == "nccl":
-        nccl.init(mesh)
+        nccl.init(mesh, blocking=os.environ.get("JAXDIST_BENCH_NCCL_BLOCKING", "1") != "0")
     return mesh
 
 
@@ -313,7 +315,8 @@ def main() -> None:
     out = header + "\n\n" + table(rows, args.baseline)
     print("\n" + out)
     if not args.cpu:
-        command = "python bench/strategies.py " + " ".join(sys.argv[1:])
+        nonblocking = "JAXDIST_BENCH_NCCL_BLOCKING=0 " if os.environ.get("JAXDIST_BENCH_NCCL_BLOCKING") == "0" else ""
+        command = nonblocking + "python bench/strategies.py " + " ".join(sys.argv[1:])
         append_result("Strategies on all GPUs: speed, MFU, memory", command, device, out)
 
 
