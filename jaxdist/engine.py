@@ -150,14 +150,16 @@ class Parallel:
 
     @property
     def data_axes(self) -> tuple[str, ...]:
-        return tuple(a for a in (self.dp_axis, self.fsdp_axis) if a in self.mesh.axis_names)
+        """The data axes of size > 1 (an axis of size 1 would only add no-op collectives and the
+        packing of their buffers to every step)."""
+        return tuple(a for a in (self.dp_axis, self.fsdp_axis) if self._size(a) > 1)
 
     @property
     def storage_axis(self) -> str | None:
         """The data axis parameters are sharded over: fsdp (ZeRO-3), else dp with zero1, else none."""
-        if self.fsdp_axis in self.mesh.axis_names:
+        if self.fsdp_axis in self.data_axes:
             return self.fsdp_axis
-        if self.zero1 and self.dp_axis in self.mesh.axis_names:
+        if self.zero1 and self.dp_axis in self.data_axes:
             return self.dp_axis
         return None
 

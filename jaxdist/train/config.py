@@ -46,7 +46,7 @@ class ParallelConfig:
     buffers: int = _key(2, "FSDP: units gathered at once")
     update_in_backward: bool = _key(False, "FSDP: update each unit during backward (needs optim.max_grad_norm=0)")
     sequence_parallel: bool = _key(False, "TP: shard activations along the sequence")
-    remat: bool = _key(True, "TP: recompute blocks in backward")
+    remat: bool = _key(False, "TP: recompute blocks in backward (less activation memory, one more forward)")
     backend: str = _key("xla", "comm backend: xla or nccl")
 
 
