@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Var, jaxprs_in_params
+from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 from jax.sharding import PartitionSpec as P
 
 from jaxdist._compat import varying_axes
@@ -143,7 +143,7 @@ def _walk(jaxpr, in_masks: list[int], axis: str, who: str) -> list[int]:
         masks = [read(v) for v in eqn.invars]
         if not any(masks):
             continue
-        subs = [getattr(j, "jaxpr", j) for j in jaxprs_in_params(eqn.params)]
+        subs = _sub_jaxprs(eqn.params)
         one_to_one = (
             len(subs) == 1
             and eqn.primitive.name not in _LOOPS
@@ -191,6 +191,18 @@ def _sums(jaxpr, axis: str) -> bool:
     for eqn in jaxpr.eqns:
         if _is_sum(eqn, axis):
             return True
-        if any(_sums(getattr(j, "jaxpr", j), axis) for j in jaxprs_in_params(eqn.params)):
+        if any(_sums(j, axis) for j in _sub_jaxprs(eqn.params)):
             return True
     return False
+
+
+def _sub_jaxprs(params: dict) -> list:
+    """The jaxprs an equation holds (a jit's, a remat's, a custom rule's primal, a cond's branches)."""
+    out = []
+    for value in params.values():
+        for j in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(j, ClosedJaxpr):
+                out.append(j.jaxpr)
+            elif isinstance(j, Jaxpr):
+                out.append(j)
+    return out

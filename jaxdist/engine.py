@@ -40,8 +40,8 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import comm
 from jaxdist import tp as tp_math
 from jaxdist._pipeline import AsyncOp, check_buffers, kept, pipelined_loop
-from jaxdist._tp_grads import tp_summed
 from jaxdist._step import PlacedStep, TrainState, local_batch_avals
+from jaxdist._tp_grads import tp_summed
 from jaxdist.model_state import ModelState, keep_if, training_copy
 from jaxdist.tp_plan import Binding, TPPlan, bind, from_storage, to_storage
 
@@ -466,32 +466,52 @@ class ParallelRun:
     def _decide_tp_sums(self, x_aval) -> dict:
         """Per unit ("embed", "head", block i), the replicated parameters whose gradient is summed over
         tp: those acting on values that differ per tp rank (`jaxdist._tp_grads`, from JAX's types)."""
-        cfg, units = self.cfg, self.units
+        cfg, units, state = self.cfg, self.units, self.initial_model_state
         shape = list(x_aval.shape)
         if cfg.sequence_parallel:
             shape[1] //= cfg.tp
         x = jax.ShapeDtypeStruct(tuple(shape), x_aval.dtype)
         names = {k: leaf.name for k, leaf in enumerate(self.leaves)}
-        state = self.initial_model_state
-        self._trace_backend = "xla"  # the type trace is never compiled; jax.lax collectives carry the types
 
-        def decide(unit, ks, x, extra, who, layer=False):
-            ws = {k: jax.ShapeDtypeStruct(self.leaves[k].local[1 if layer else 0 :], self.leaves[k].dtype) for k in ks}
+        def decide(unit, ks, x, stored, who, *, layer=False, out_may_vary=False):
+            skip = 1 if layer else 0  # one layer of a stacked leaf
+            ws = {k: jax.ShapeDtypeStruct(self.leaves[k].local[skip:], self.leaves[k].dtype) for k in ks}
             split = frozenset(k for k in ks if self.leaves[k].tp_dim is not None)
             return tp_summed(
-                unit, ws, x, extra, mesh=self.mesh, axis=cfg.tp_axis, split=split, x_varies=cfg.sequence_parallel,
-                out_may_vary=who.startswith("block") and cfg.sequence_parallel, names=names, who=who,
+                unit,
+                ws,
+                x,
+                (self.local_batch, stored),
+                mesh=self.mesh,
+                axis=cfg.tp_axis,
+                split=split,
+                x_varies=cfg.sequence_parallel,
+                out_may_vary=out_may_vary,
+                names=names,
+                who=who,
             )
 
+        self._trace_backend = "xla"  # the type trace is never compiled; jax.lax collectives carry the types
         try:
             embed = lambda ws, _, e: self._outer_apply(ws, e[1], lambda m: units.embed(m, e[0]))[0]
-            sums = {"embed": decide(embed, self.embed_leaves, None, (self.local_batch, state["outer"]), "the embed")}
             head = lambda ws, x, e: self._head(ws, x, e[0], e[1], summed=False)[0]
-            sums["head"] = decide(head, self.head_leaves, x, (self.local_batch, state["outer"]), "the head")
+            sums = {
+                "embed": decide(embed, self.embed_leaves, None, state["outer"], "the embed"),
+                "head": decide(head, self.head_leaves, x, state["outer"], "the head"),
+            }
+            seen = {}  # blocks of one definition and piece shapes run one program: trace it once
             for i in range(self.n_blocks):
-                stored = state["blocks"][i] if self.block_states is not None else None
-                block = lambda ws, x, e, i=i: self._block(i, ws, x, e[0], e[1], summed=False)[0]
-                sums[i] = decide(block, self.block_leaves[i], x, (self.local_batch, stored), f"block {i}", self.units.stacked)
+                ks = self.block_leaves[i]
+                same = (self.block_defs[i], tuple((self.leaves[k].local, self.leaves[k].tp_dim) for k in ks))
+                if same not in seen:
+                    stored = state["blocks"][i] if self.block_states is not None else None
+                    block = lambda ws, x, e, i=i: self._block(i, ws, x, e[0], e[1], summed=False)[0]
+                    summed = decide(
+                        block, ks, x, stored, f"block {i}", layer=units.stacked, out_may_vary=cfg.sequence_parallel
+                    )
+                    seen[same] = (ks, summed)
+                first, summed = seen[same]
+                sums[i] = frozenset(k for k, k0 in zip(ks, first, strict=True) if k0 in summed)
         finally:
             self._trace_backend = None
         return sums
