@@ -81,9 +81,9 @@ def tp_summed(
         varies = axis in varying_axes(out)
         if varies and not out_may_vary:
             raise Undecidable(
-                f"Parallel: {who}'s output differs per tp rank where the engine needs it the same on every "
-                "rank; end the unit with a tp layer that sums or gathers over tp (a row layer, or a column "
-                "layer with gather_output=True)"
+                f"Parallel: {who} returns a value that differs per tp rank where every tp rank must hold the "
+                "same (the loss; the activations between units without sequence parallelism); reduce or gather "
+                "tp-split values with a tp layer first (a row layer, or a column layer with gather_output=True)"
             )
         ct = jnp.zeros(out.shape, out.dtype)
         closed = jax.make_jaxpr(vjp)(_vary(ct, axis) if varies else ct)

@@ -9,6 +9,8 @@ logit scale after it. SGD (a gradient scale error shows as a parameter error) ov
 (4, 2) mesh, with and without sequence parallelism, against a single-device run.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,3 +135,12 @@ def test_a_replicated_parameter_on_replicated_and_split_values_at_once_raises():
     strategy = Parallel(cpu_mesh((1, 2), ("dp", "tp")), plan=PLAN)
     with pytest.raises(ValueError, match=r"layers/0/gain.*tp"):
         strategy.prepare(make(), optax.sgd(0.1), UNITS, batches(1)[0])
+
+
+def test_a_loss_that_differs_per_tp_rank_raises():
+    """Under sequence parallelism a head that averages its sequence chunk before any tp layer has
+    a loss of its own on each tp rank."""
+    units = dataclasses.replace(UNITS, head_loss=lambda m, x, b: jnp.mean(m.final_norm(x) ** 2))
+    strategy = Parallel(cpu_mesh((1, 2), ("dp", "tp")), plan=PLAN, sequence_parallel=True)
+    with pytest.raises(ValueError, match="the head returns a value that differs per tp rank"):
+        strategy.prepare(QKNormModel(nnx.Rngs(0), layers=1), optax.sgd(0.1), units, batches(1)[0])
