@@ -98,7 +98,15 @@ def tp_summed(
         jax.eval_shape(traced, ws, x, extra)
     except Undecidable:
         raise
-    except Exception as e:  # a type error of the check_vma trace: say what was being decided
+    except Exception as e:
+        # the unit's own error (the real step would raise it too) surfaces as it is; else it is a type
+        # error of the check_vma trace: say what was being decided
+        def plain(ws, x, extra):
+            unit(ws, x, extra)
+            return jnp.zeros(())
+
+        untyped = jax.shard_map(plain, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(), check_vma=False)
+        jax.eval_shape(untyped, ws, x, extra)
         raise Undecidable(
             f"Parallel: cannot decide which gradients of {who} to sum over tp: tracing it under "
             f"shard_map(check_vma=True) failed with {type(e).__name__}: {e}"

@@ -679,6 +679,8 @@ class ParallelRun:
             mesh=self.mesh,
             in_specs=(specs, P(), P(), batch_spec),
             out_specs=(specs, P(), metrics_spec),
+            # the rank's program as written: its data-axis reductions are explicit, and the sums over tp
+            # that JAX's types would add are decided at prepare (`_decide_tp_sums`)
             check_vma=False,
         )
         grads, model_state, metrics = body(state.params, state.model_state, state.step, batch)
