@@ -1,0 +1,141 @@
+"""Pipeline parallelism (`jaxdist.pipeline`) against a single-device optax run.
+
+Each run is compared with `test_engine.reference`: the unmodified model, one
+value_and_grad over the whole global batch, the same optax transformation,
+5 steps, float32. Tolerances as the engine's (tests/test_ddp.py: losses rtol
+5e-6; parameters atol 1e-4 per element and 5e-7 on average): the pipeline
+averages micro-batch means and data-rank means, which differ from the
+reference's one mean by float32 rounding only (seen: losses 2e-7, parameters
+7e-6 at most).
+
+The cases cover pp=2 and pp=4, 1F1B, interleaved (v=2) and GPipe, 4 and 8
+micro-batches, the GPT (tied and separate head) and a residual MLP, and the
+pipeline composed with dp, fsdp and tp, at one compile each.
+"""
+
+import dataclasses
+import re
+
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from meshes import cpu_mesh
+from test_ddp import LOSS_RTOL, assert_params_close
+from test_engine import MLP_UNITS, ResMLP, adamw, gpt_batches, mlp_batches, mlp_loss, path_optimizer, reference
+
+from jaxdist import pipeline_schedule as ps
+from jaxdist.pipeline import Pipelined
+from jaxdist.train.gpt import GPT, UNITS, GPTConfig, next_token_loss, tp_plan_for
+
+STEPS = 5
+GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
+
+
+def pipeline_run(strategy, make_model, units, batches, optimizer):
+    run = strategy.prepare(make_model(), optimizer, units, batches[0])
+    state, losses = run.state, []
+    for batch in batches:
+        state, metrics = run.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, nnx.to_pure_dict(run.params(state))
+
+
+GPT_CASES = {
+    # name: (mesh shape, axis names, tied head, Pipelined options)
+    "pp4xdp2-1f1b-m8": ((4, 2), ("pp", "dp"), False, dict(microbatches=8)),
+    "pp2xdp2xtp2-interleaved-v2-m4-tied": (
+        (2, 2, 2),
+        ("pp", "dp", "tp"),
+        True,
+        dict(microbatches=4, schedule="interleaved", virtual=2),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(GPT_CASES))
+def test_gpt_matches_single_device(case):
+    shape, names, tie, options = GPT_CASES[case]
+    cfg = dataclasses.replace(GPT_CFG, tie_embeddings=tie)
+    make = lambda: GPT(cfg, nnx.Rngs(0))
+    batches = gpt_batches(STEPS)
+    ref_losses, ref_params, _ = reference(make, next_token_loss, batches, adamw())
+    strategy = Pipelined(cpu_mesh(shape, names), plan=tp_plan_for(cfg), **options)
+    losses, params = pipeline_run(strategy, make, UNITS, batches, adamw())
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    assert_params_close(params, ref_params)
+
+
+MLP_CASES = {
+    # name: (mesh shape, axis names, blocks, Pipelined options, optimizer)
+    "pp2xdp4-1f1b-m4-adamw": ((2, 4), ("pp", "dp"), 4, dict(microbatches=4), adamw),
+    "pp4xdp2-interleaved-v2-m8-clip-multi-transform": (
+        (4, 2),
+        ("pp", "dp"),
+        8,
+        dict(microbatches=8, schedule="interleaved", virtual=2),
+        lambda: path_optimizer(0.5),
+    ),
+    "pp2xfsdp4-gpipe-m4-sgd": (
+        (2, 4),
+        ("pp", "fsdp"),
+        2,
+        dict(microbatches=4, schedule="gpipe"),
+        lambda: optax.sgd(0.1),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MLP_CASES))
+def test_a_model_that_is_not_the_gpt_matches_single_device(case):
+    shape, names, blocks, options, optimizer = MLP_CASES[case]
+    make = lambda: ResMLP(nnx.Rngs(0), layers=blocks)
+    batches = mlp_batches(STEPS)
+    ref_losses, ref_params, _ = reference(make, mlp_loss, batches, optimizer())
+    losses, params = pipeline_run(Pipelined(cpu_mesh(shape, names), **options), make, MLP_UNITS, batches, optimizer())
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    assert_params_close(params, ref_params, atol=1e-5)
+
+
+def test_each_tick_is_one_sendrecv_carrying_all_its_messages():
+    """The step lowers one collective permute per distinct tick pattern, whose pairs are exactly that
+    tick's sends (lone warm-up sends and cool-down receives included), and none other."""
+    strategy = Pipelined(cpu_mesh((4,), ("pp",)), microbatches=4)
+    batch = mlp_batches(1)[0]
+    run = strategy.prepare(ResMLP(nnx.Rngs(0), layers=4), optax.sgd(0.1), MLP_UNITS, batch)
+    text = run.step.lower(run.state, batch).as_text()
+    lowered = re.findall(r"collective_permute.*?source_target_pairs = dense<(\[\[.*?\]\])>", text)
+    pairs = sorted(tuple(tuple(p) for p in eval(x)) for x in lowered)  # noqa: S307 (our own HLO text)
+    expected = sorted({t.perm() for t in run.table.ticks if t.perm()})
+    assert pairs == expected
+    assert ((0, 1),) in pairs and ((3, 2),) in pairs  # a lone send of warm-up, a lone receive of cool-down
+
+
+def test_bad_options_raise_clear_errors_before_tracing():
+    mesh = cpu_mesh((2, 4), ("pp", "dp"))
+    batch = mlp_batches(1)[0]
+    with pytest.raises(ValueError, match="multiple of pp=2"):
+        Pipelined(mesh, microbatches=3, schedule="interleaved", virtual=2)
+    with pytest.raises(ValueError, match="needs a 'pp' axis of size >= 2"):
+        Pipelined(cpu_mesh((8,), ("dp",)))
+    with pytest.raises(ValueError, match=r"3 blocks do not split into pp \* virtual = 2 stages"):
+        Pipelined(mesh).prepare(ResMLP(nnx.Rngs(0), layers=3), optax.sgd(0.1), MLP_UNITS, batch)
+    with pytest.raises(ValueError, match="4 rows do not split into microbatches=8"):
+        Pipelined(mesh, microbatches=8).prepare(ResMLP(nnx.Rngs(0), layers=2), optax.sgd(0.1), MLP_UNITS, batch)
+    with pytest.raises(ValueError, match="has_aux=True"):
+        units = dataclasses.replace(MLP_UNITS, has_aux=True)
+        Pipelined(mesh).prepare(ResMLP(nnx.Rngs(0), layers=2), optax.sgd(0.1), units, batch)
+    with pytest.raises(ValueError, match="a pipeline axis: jaxdist.pipeline.Pipelined"):
+        from jaxdist.engine import Parallel
+
+        Parallel(mesh)
+
+
+def test_a_corrupted_table_is_rejected_before_tracing(monkeypatch):
+    table = ps.one_f_one_b(2, 4)
+    ticks = list(table.ticks)
+    ticks[1] = dataclasses.replace(ticks[1], recvs=(None, None))
+    corrupted = dataclasses.replace(table, ticks=tuple(ticks))
+    monkeypatch.setattr(ps, "one_f_one_b", lambda pp, m: (ps.validate(corrupted), corrupted)[1])
+    with pytest.raises(ps.ScheduleError, match="tick 1: rank 0 sends the activation of micro-batch 1"):
+        Pipelined(cpu_mesh((2,), ("pp",)), microbatches=4)
