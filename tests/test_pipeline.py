@@ -164,3 +164,16 @@ def test_1f1b_activation_memory_does_not_grow_with_the_microbatch_count():
     assert slots4 == slots8 == 2 and gslots8 == 8
     assert abs(f8 - f4) < activation / 8, (f4, f8)  # seen: 473256 -> 473320 bytes
     assert g8 - g4 >= 4 * activation, (g4, g8)  # seen: 538792 -> 669928 bytes
+
+
+def test_the_trainers_parallel_pp_trains_as_ddp_does(tmp_path):
+    from jaxdist.train import config as config_lib
+    from jaxdist.train.trainer import train
+
+    base = ["model.flavor=tiny", "data.batch_size=16", "run.progress=false", "run.steps=3", "run.checkpoint_every=-1"]
+    load = lambda name, *extra: config_lib.load(None, [*base, f"run.out_dir={tmp_path / name}", *extra])
+    ddp = train(load("ddp"))
+    pipelined = train(load("pp", "parallel.pp=2", "parallel.tp=2", "parallel.microbatches=2"))  # pp2 x dp2 x tp2
+    np.testing.assert_allclose(pipelined, ddp, rtol=1e-5)
+    with pytest.raises(config_lib.ConfigError, match="parallel.pp=2: .*microbatches=3 must be a multiple of pp=2"):
+        train(load("bad", "parallel.pp=2", "parallel.schedule=interleaved", "parallel.microbatches=3"))
