@@ -17,13 +17,17 @@ stage's forward from that input; so the live activations of 1F1B are bounded
 by pp, not by the micro-batch count. The last stage's forward runs inside its
 backward (one recompute fewer).
 
-Everything else is the engine's (`jaxdist.engine.ParallelRun`): parameters
-are the model's tree, stored over the data axes and split over tp as there
-(and replicated over pp: pipelining divides the work and the activations, not
-yet the parameter memory), the block code runs with the plan's parallel
-layers bound, and the optimizer, global norm, clipping and skip run on the
-parameter tree outside the per-device program. Each stage's gradients are
-averaged over the data axes after the cool-down.
+Parameters are the model's tree, stored as the engine stores them (over the
+data axes and split over tp), and every block parameter is also split over pp:
+each rank stores 1/pp of every block (and of its optimizer state). A step
+brings a stage's pieces to the stage's rank (an all-to-all over pp, as pp - 1
+ring-shifted sendrecvs) and its gradients back to the pieces. The embedding
+and head are replicated over pp; their gradients are summed over pp.
+
+Everything else is the engine's (`jaxdist.engine.ParallelRun`): the block code
+runs with the plan's parallel layers bound, and the optimizer, global norm,
+clipping and skip run on the parameter tree outside the per-device program.
+Each stage's gradients are averaged over the data axes after the cool-down.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
 from jaxdist import pipeline_schedule as ps
@@ -151,6 +156,10 @@ class PipelineRun(ParallelRun):
                 "length; change pp, virtual or the number of blocks"
             )
         self.per_stage = self.n_blocks // stages
+        # a stage's leaves: those of blocks 0 .. per_stage - 1 stand for every stage's (the template)
+        self.stage_leaves = [k for b in range(self.per_stage) for k in self.block_leaves[b]]
+        self.position = {k: (b, p) for b in range(self.per_stage) for p, k in enumerate(self.block_leaves[b])}
+        self.pp_dims = {k: self._pp_dim(self.leaves[k]) for k in self.stage_leaves}
         shapes = lambda i: [(self.leaves[k].shape, self.leaves[k].dtype) for k in self.block_leaves[i]]
         for i in range(self.n_blocks):
             same = self.block_defs[i] == self.block_defs[0] and self.block_trees[i] == self.block_trees[0]
@@ -182,23 +191,15 @@ class PipelineRun(ParallelRun):
 
     def _local_grads(self, params, model_state, step, batch):
         cfg, s, plan = self.cfg, self.table, self.plan
-        pp, v, m = cfg.pp, cfg.virtual, cfg.microbatches
+        v, m = cfg.virtual, cfg.microbatches
         rank = lax.axis_index(cfg.pp_axis)
         gather, reduce = self._ops()
         tok = comm.token()
         handle, tok = gather.start(dict(enumerate(jax.tree.leaves(params))), tok)
         w, tok = gather.wait(handle, tok)  # every piece whole over the storage axis, kept for the step
 
-        # this rank's chunks: per leaf of the template blocks 0 .. per_stage - 1, a leading chunk axis
-        template = [k for b in range(self.per_stage) for k in self.block_leaves[b]]
-        position = {k: (b, p) for b in range(self.per_stage) for p, k in enumerate(self.block_leaves[b])}
-
-        def of_chunk(k, c):
-            b, p = position[k]
-            per_rank = [w[self.block_leaves[(c * pp + r) * self.per_stage + b][p]] for r in range(pp)]
-            return jnp.stack(per_rank)[rank]
-
-        chunks = {k: jnp.stack([of_chunk(k, c) for c in range(v)]) for k in template}
+        template = self.stage_leaves
+        chunks, tok = self._stage_weights(w, rank, tok)  # leaf of the template blocks -> (v, *tp piece)
         embed_w = {k: w[k] for k in self.embed_leaves}
         head_w = {k: w[k] for k in self.head_leaves}
         outer_keys = sorted(set(self.embed_leaves) | set(self.head_leaves))
@@ -286,14 +287,8 @@ class PipelineRun(ParallelRun):
         xs = tuple(jnp.asarray(x) for x in (*rows, plan.recv_slot, pattern))
         (st, tok), _ = lax.scan(tick, (st, tok), xs)
 
-        # every stage's gradients to every pp rank: blocks gathered, embedding and head summed
-        grads = {}
-        for k in template:
-            every, tok = comm.all_gather(st["dw"][k], cfg.pp_axis, tok, tiled=False, backend=cfg.backend)
-            b, p = position[k]
-            for r in range(pp):
-                for c in range(v):
-                    grads[self.block_leaves[(c * pp + r) * self.per_stage + b][p]] = every[r, c]
+        # each block's gradient back to the pp pieces it is stored in; embedding and head summed
+        grads, tok = self._stage_grads(st["dw"], rank, tok)
         for k in outer_keys:
             grads[k], tok = comm.all_reduce(st["douter"][k], cfg.pp_axis, tok, op="sum", backend=cfg.backend)
         loss, tok = comm.all_reduce(st["loss"], cfg.pp_axis, tok, op="sum", backend=cfg.backend)
@@ -304,3 +299,104 @@ class PipelineRun(ParallelRun):
             loss, tok = comm.all_reduce(loss, axes, tok, op="mean", backend=cfg.backend)
         out = [grads[k].astype(self.leaves[k].dtype) for k in range(len(self.leaves))]
         return self.treedef.unflatten(out), model_state, {"loss": loss}
+
+    # -- where the blocks live over pp ---------------------------------------------------------
+
+    def _block_leaf(self, k: int, c: int, r: int) -> int:
+        """The leaf that template leaf `k` (of blocks 0 .. per_stage - 1) is in chunk `c` of pp rank `r`."""
+        b, p = self.position[k]
+        return self.block_leaves[(c * self.cfg.pp + r) * self.per_stage + b][p]
+
+    def _pp_dim(self, leaf) -> int | None:
+        """The dimension of a block leaf's tp piece split over pp (each rank stores 1/pp of every
+        block; the stage's owner collects them): the largest that divides, another than the storage
+        dimension if one does; None (replicated over pp) for a leaf of the embedding or head, or
+        when nothing divides."""
+        if leaf.path[0] != self.units.blocks:
+            return None
+        pp = self.cfg.pp
+        n_store = self.cfg._size(self.cfg.storage_axis) if self.cfg.storage_axis else 1
+        fits = [d for d in range(len(leaf.local)) if d != leaf.store_dim and leaf.local[d] % pp == 0]
+        if fits:
+            return max(fits, key=lambda d: (leaf.local[d], -d))
+        if leaf.store_dim is not None and leaf.local[leaf.store_dim] % (pp * n_store) == 0:
+            return leaf.store_dim
+        return None
+
+    def _spec(self, leaf) -> P:
+        """The engine's placement, plus pp on `_pp_dim` (inside tp, outside the storage axis, so a
+        gather over the storage axis gives this rank's contiguous pp piece)."""
+        dims = list(super()._spec(leaf))
+        dims += [None] * (len(leaf.shape) - len(dims))
+        d = self._pp_dim(leaf)
+        if d is not None:
+            axes = dims[d] if isinstance(dims[d], tuple) else (() if dims[d] is None else (dims[d],))
+            tp = tuple(a for a in axes if a == self.cfg.tp_axis)
+            dims[d] = (*tp, self.cfg.pp_axis, *(a for a in axes if a != self.cfg.tp_axis))
+            dims[d] = dims[d][0] if len(dims[d]) == 1 else dims[d]
+        return P(*dims)
+
+    def _shift(self, parts: list, s: int, tok):
+        """Every pp rank sends `parts` to the rank `s` after it and gets the parts of the rank `s`
+        before it: one sendrecv per dtype."""
+        pp = self.cfg.pp
+        perm = [(q, (q + s) % pp) for q in range(pp)]
+        out = [None] * len(parts)
+        for dtype in sorted({x.dtype for x in parts}, key=str):
+            idx = [i for i, x in enumerate(parts) if x.dtype == dtype]
+            flat = jnp.concatenate([parts[i].reshape(-1) for i in idx])
+            got, tok = comm.sendrecv(flat, self.cfg.pp_axis, tok, perm=perm, backend=self.cfg.backend)
+            offset = 0
+            for i in idx:
+                out[i] = got[offset : offset + parts[i].size].reshape(parts[i].shape)
+                offset += parts[i].size
+        return out, tok
+
+    def _stage_weights(self, w: dict, rank, tok):
+        """Per template leaf, this rank's chunks' whole tp pieces `(v, ...)`: a block split over pp is
+        put together from every rank's piece (pp - 1 shifted sendrecvs: an all-to-all), a block
+        replicated over pp is picked."""
+        pp, v = self.cfg.pp, self.cfg.virtual
+        keys = [(k, c) for k in self.stage_leaves if self.pp_dims[k] is not None for c in range(v)]
+        mine = {key: jnp.stack([w[self._block_leaf(*key, r)] for r in range(pp)]) for key in keys}
+        got = {key: [mine[key][rank]] for key in keys}  # shift 0: this rank's own piece
+        for s in range(1, pp):
+            parts = [lax.dynamic_index_in_dim(mine[key], (rank + s) % pp, keepdims=False) for key in keys]
+            parts, tok = self._shift(parts, s, tok)
+            for key, x in zip(keys, parts, strict=True):
+                got[key].append(x)  # piece (rank - s) of this rank's block
+
+        def whole(k, c):
+            if self.pp_dims[k] is None:
+                return jnp.stack([w[self._block_leaf(k, c, r)] for r in range(pp)])[rank]
+            by_shift = jnp.stack(got[(k, c)])
+            pieces = [by_shift[(rank - j) % pp] for j in range(pp)]
+            return jnp.concatenate(pieces, axis=self.pp_dims[k])
+
+        return {k: jnp.stack([whole(k, c) for c in range(v)]) for k in self.stage_leaves}, tok
+
+    def _stage_grads(self, dw: dict, rank, tok):
+        """Each block's gradient (on its stage's rank) as the pieces the blocks are stored in: a
+        block split over pp sends piece j to rank j (the reverse all-to-all), a block replicated over
+        pp is all-gathered."""
+        pp, v = self.cfg.pp, self.cfg.virtual
+        grads = {}
+        keys = [(k, c) for k in self.stage_leaves if self.pp_dims[k] is not None for c in range(v)]
+        pieces = {(k, c): jnp.stack(jnp.split(dw[k][c], pp, axis=self.pp_dims[k])) for k, c in keys}
+        got = {key: [pieces[key][rank]] for key in keys}
+        for s in range(1, pp):
+            parts = [lax.dynamic_index_in_dim(pieces[key], (rank + s) % pp, keepdims=False) for key in keys]
+            parts, tok = self._shift(parts, s, tok)
+            for key, x in zip(keys, parts, strict=True):
+                got[key].append(x)  # this rank's piece of the block of rank (rank - s)
+        for k, c in keys:
+            by_shift = jnp.stack(got[(k, c)])
+            for r in range(pp):
+                grads[self._block_leaf(k, c, r)] = by_shift[(rank - r) % pp]
+        for k in self.stage_leaves:
+            if self.pp_dims[k] is None:
+                every, tok = comm.all_gather(dw[k], self.cfg.pp_axis, tok, tiled=False, backend=self.cfg.backend)
+                for r in range(pp):
+                    for c in range(v):
+                        grads[self._block_leaf(k, c, r)] = every[r, c]
+        return grads, tok
