@@ -195,3 +195,33 @@ def test_the_trainers_parallel_pp_trains_as_ddp_does(tmp_path):
     np.testing.assert_allclose(pipelined, ddp, rtol=1e-5)
     with pytest.raises(config_lib.ConfigError, match="parallel.pp=2: .*microbatches=3 must be a multiple of pp=2"):
         train(load("bad", "parallel.pp=2", "parallel.schedule=interleaved", "parallel.microbatches=3"))
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("delay_us", [0, 300], ids=["no-delay", "delay"])
+def test_nccl_pipeline_on_two_gpus_matches_xla_and_one_device(delay_us):
+    """pp=2 over two GPUs: every tick's sendrecv a real NCCL group (with a delay before each NCCL op,
+    a read of a message before it arrived would give wrong numbers), against the xla backend and a
+    single-device run."""
+    import jax
+    from jax.sharding import AxisType, Mesh
+
+    from jaxdist.comm import nccl
+
+    mesh = Mesh(np.asarray(jax.devices("gpu")[:2]), ("pp",), axis_types=(AxisType.Explicit,))
+    nccl.init(mesh)
+    make = lambda: GPT(GPT_CFG, nnx.Rngs(0))
+    batches = gpt_batches(STEPS)
+    with jax.default_matmul_precision("highest"):
+        ref_losses, ref_params, _ = reference(make, next_token_loss, batches, adamw())
+        out = {}
+        for backend in ("nccl", "xla"):
+            nccl.set_debug_delay(delay_us if backend == "nccl" else 0)
+            try:
+                strategy = Pipelined(mesh, microbatches=4, schedule="interleaved", virtual=2, backend=backend)
+                out[backend] = pipeline_run(strategy, make, UNITS, batches, adamw())
+            finally:
+                nccl.set_debug_delay(0)
+    for losses, params in out.values():
+        np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+        assert_params_close(params, ref_params)
