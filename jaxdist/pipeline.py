@@ -56,6 +56,10 @@ class Pipelined(Parallel):
       microbatches: micro-batches per data rank's batch (its rows must divide).
       schedule: "1f1b", "gpipe" or "interleaved" (`jaxdist.pipeline_schedule`).
       virtual: stages per rank (chunks) of the interleaved schedule.
+
+    A stage's backward always recomputes its forward from the stage input (so `remat` adds
+    nothing), and with an fsdp axis a step gathers this rank's pieces once and keeps them
+    (`reshard_after_forward`, `buffers` and `prefetch` do not apply).
     """
 
     pp_axis: str = "pp"
