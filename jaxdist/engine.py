@@ -673,12 +673,18 @@ class ParallelRun:
             fn = lambda w, x: self._block(i, w, x, batch, blocks_in[i] if blocks_in else None)
             return jax.checkpoint(fn) if cfg.remat else fn
 
+        saved_vjp = []
+
         def forward(i, w, x):
             saved_x.append(x)
             saved_w.append(w)  # dropped by XLA when backward gathers again
             if cfg.record_weights:
                 used.append(self._weight_sum(w))
-            y, after = block_fn(i)(w, x)
+            if cfg.regather:  # backward recomputes on re-gathered weights: keep no residual of them
+                y, after = block_fn(i)(w, x)
+            else:  # weights kept for backward anyway: keep the residuals too, as plain autodiff does
+                y, vjp, after = jax.vjp(block_fn(i), w, x, has_aux=True)
+                saved_vjp.append(vjp)
             blocks_out.append(after)
             return y, None, None
 
@@ -708,8 +714,10 @@ class ParallelRun:
 
         # backward: block i-1 fetched and block i+1's gradients reduced while block i computes
         def backward(i, w, dx):
-            # the same inputs and variables as forward: the same dropout masks (and XLA shares the work)
-            _, vjp, _ = jax.vjp(block_fn(i), w, saved_x[i], has_aux=True)
+            if cfg.regather:  # the same inputs and variables as forward: the same dropout masks
+                _, vjp, _ = jax.vjp(block_fn(i), w, saved_x[i], has_aux=True)
+            else:
+                vjp = saved_vjp[i]
             dw, dx_in = vjp(dx)
             return dx_in, dw, None
 

@@ -7,14 +7,23 @@ seconds taken and the number of aborts.
 
 import ctypes
 import json
+import os
 import sys
+import threading
 import time
 
 from jaxdist import _native
+from jaxdist.comm.nccl import _POLL_MODES as POLL_MODES
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, SENDRECV = 0, 1, 2, 3
 NCCL_INTERNAL_ERROR = 3
 NCCL_IN_PROGRESS = 7
+
+
+def poll_counts(lib) -> dict:
+    out = (ctypes.c_int64 * 2)()
+    lib.jaxdist_poll_counts(out)
+    return {"yields": out[0], "sleeps": out[1]}
 
 
 def main() -> None:
@@ -66,6 +75,9 @@ def main() -> None:
     def issue(key, kind, send_peer=-1, recv_peer=-1):
         _native.call("jaxdist_test_issue", key, -1, kind, 16, send_peer, recv_peer)
 
+    def issue_on(key, device):
+        _native.call("jaxdist_test_issue", key, device, ALL_REDUCE, 16, -1, -1)
+
     def run_on_new_comm(kind, blocking, **peers):
         fake.fake_nccl_reset()
         lib.jaxdist_set_timeout_ms(300000)
@@ -108,6 +120,57 @@ def main() -> None:
     key = next(keys)
     init(key, 1)
     scenario("destroy", lambda: _native.call("jaxdist_comm_destroy", key))
+
+    # How the wait spends an op that stays in progress for a few polls, per poll mode.
+    for mode, n in (("yield", 20), ("local", 5), ("local", 20)):
+        op = run_on_new_comm(ALL_REDUCE, 0)
+        lib.jaxdist_set_poll_mode(POLL_MODES[mode])
+        lib.jaxdist_poll_counts_reset()
+        scenario(f"poll_{mode}_{n}_in_progress", op, in_progress=n)
+        results[f"poll_{mode}_{n}_in_progress"]["counts"] = poll_counts(lib)
+    lib.jaxdist_set_poll_mode(POLL_MODES["local"])
+
+    # NCCL's own thread per non-blocking group end, started where the issuing thread may run.
+    fake.fake_nccl_set_group_threads.argtypes = [ctypes.c_int]
+    for mode in ("yield", "local"):
+        op = run_on_new_comm(ALL_REDUCE, 0)
+        fake.fake_nccl_set_group_threads(1)
+        lib.jaxdist_set_poll_mode(POLL_MODES[mode])
+        before = sorted(os.sched_getaffinity(0))
+        op()
+        results[f"group_thread_{mode}"] = {
+            "thread_cpus": fake.fake_nccl_group_thread_cpus(),
+            "caller_cpus_before": before,
+            "caller_cpus_after": sorted(os.sched_getaffinity(0)),
+            "log": fake.fake_nccl_log().decode().splitlines(),
+        }
+    lib.jaxdist_set_poll_mode(POLL_MODES["local"])
+
+    # Two devices' communicators polled at once: one held inside ncclCommGetAsyncError
+    # (as NCCL joining its group thread) must not hold up the other.
+    fake.fake_nccl_reset()
+    key = next(keys)
+    init(key, 0, n=2)
+    _native.call("jaxdist_comm_wait_ready", key)
+    fake.fake_nccl_gate(0)
+    held = threading.Thread(target=issue_on, args=(key, -1), daemon=True)
+    held.start()
+    deadline = time.monotonic() + 30
+    while not fake.fake_nccl_gate_entered() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    other = threading.Thread(target=issue_on, args=(key, -2), daemon=True)
+    t0 = time.perf_counter()
+    other.start()
+    other.join(10)
+    results["independent_polls"] = {
+        "held_entered": bool(fake.fake_nccl_gate_entered()),
+        "other_finished_while_held": not other.is_alive(),
+        "other_seconds": time.perf_counter() - t0,
+    }
+    fake.fake_nccl_gate(-1)
+    held.join(10)
+    other.join(10)
+    results["independent_polls"]["both_finished"] = not held.is_alive() and not other.is_alive()
     print(json.dumps(results))
 
 

@@ -49,7 +49,8 @@ _TARGETS = (
     "jaxdist_memcpy",
     "jaxdist_bench_ungrouped",
 )
-_POLL_MODES = {"yield": 0, "spin": 1}
+# ffi/src/comms.h PollMode: how a wait for a non-blocking communicator spends its first 500 us
+_POLL_MODES = {"yield": 0, "spin": 1, "local": 2}
 POLL_ENV = "JAXDIST_NCCL_POLL"
 
 
@@ -79,7 +80,7 @@ def load() -> ctypes.CDLL:
         raise _native.NativeLibraryError(str(e)) from None
     lib.jaxdist_set_timeout_ms(int(float(os.environ.get(TIMEOUT_ENV, "300")) * 1000))
     lib.jaxdist_set_debug_delay_us(int(os.environ.get(DELAY_ENV, "0")))
-    lib.jaxdist_set_poll_mode(_poll_mode(os.environ.get(POLL_ENV, "yield")))
+    lib.jaxdist_set_poll_mode(_poll_mode(os.environ.get(POLL_ENV, "local")))
     for name in _TARGETS:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="CUDA")
     watchdog.start(_timeout_s())
@@ -99,7 +100,10 @@ def _poll_mode(name: str) -> int:
 
 
 def set_poll_mode(mode: str) -> None:
-    """How a wait for NCCL spends its first 500 us: "yield" the CPU between polls (default) or "spin"."""
+    """How a wait for a non-blocking communicator spends its first 500 us (then it sleeps with back-off).
+
+    "local" (default): NCCL's group thread (one per op) starts on the issuing CPU; the wait busy-polls
+    8 polls, then yields that CPU to it. "yield": yields between polls. "spin": busy-polls."""
     load().jaxdist_set_poll_mode(_poll_mode(mode))
 
 
