@@ -24,10 +24,13 @@ brings a stage's pieces to the stage's rank (an all-to-all over pp, as pp - 1
 ring-shifted sendrecvs) and its gradients back to the pieces. The embedding
 and head are replicated over pp; their gradients are summed over pp.
 
-Everything else is the engine's (`jaxdist.engine.ParallelRun`): the block code
-runs with the plan's parallel layers bound, and the optimizer, global norm,
-clipping and skip run on the parameter tree outside the per-device program.
-Each stage's gradients are averaged over the data axes after the cool-down.
+A rank's stage gradients are averaged over the data axes in the tick of its
+last op (one all-reduce per dtype, inside the tick loop), so the last stage's
+reduction runs while the earlier stages still run the cool-down; each rank
+then keeps its storage share. Everything else is the engine's
+(`jaxdist.engine.ParallelRun`): the block code runs with the plan's parallel
+layers bound, and the optimizer, global norm, clipping and skip run on the
+parameter tree outside the per-device program.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ class _Plan:
     grad_slot: np.ndarray
     recv_kind: np.ndarray  # 0 nothing, 1 activation, 2 gradient
     recv_slot: np.ndarray
+    done: np.ndarray  # 1 at the tick of the rank's last op: its stage gradients are final
     act_slots: int
     grad_slots: int
 
@@ -116,6 +120,7 @@ def _plan(s: ps.Schedule) -> _Plan:
     last = s.stages - 1
     for r in range(s.pp):
         held: dict[tuple, int] = {}
+        final_tick = 0
         for t, tick in enumerate(s.ticks):
             op = tick.ops[r]
             if op is not None:
@@ -131,6 +136,7 @@ def _plan(s: ps.Schedule) -> _Plan:
                 if not forward:
                     held.pop(act, None)
                     held.pop(grad, None)
+                final_tick = t
             msg = tick.recvs[r]
             if msg is not None:
                 taken = {slot for key, slot in held.items() if key[0] == msg.kind}
@@ -139,6 +145,7 @@ def _plan(s: ps.Schedule) -> _Plan:
                 most[msg.kind] = max(most[msg.kind], slot + 1)
                 arrays["recv_kind"][t, r] = 1 if msg.kind == ps.ACTIVATION else 2
                 arrays["recv_slot"][t, r] = slot
+        arrays["done"][final_tick, r] = 1
     return _Plan(**arrays, act_slots=most[ps.ACTIVATION], grad_slots=most[ps.GRADIENT])
 
 
@@ -277,6 +284,11 @@ class PipelineRun(ParallelRun):
 
             return run
 
+        def average_stages(st, tok):
+            """The rank's stage gradients averaged over the data axes (one all-reduce per dtype)."""
+            dw, tok = _mean_over(st["dw"], data_axes, tok, cfg.backend)
+            return {**st, "dw": dw}, tok
+
         def tick(carry, row):
             st, tok = carry
             (kind, c, i, a, g, got_kind), slot, which = [x[rank] for x in row[:6]], row[6][rank], row[7]
@@ -286,23 +298,39 @@ class PipelineRun(ParallelRun):
                 keep = lax.dynamic_index_in_dim(st[name], slot, keepdims=False)
                 new = jnp.where(got_kind == code, got, keep)
                 st = {**st, name: lax.dynamic_update_index_in_dim(st[name], new, slot, 0)}
+            if data_axes:  # after the rank's last op, while the other stages still run the cool-down
+                st, tok = lax.cond(row[8][rank] == 1, average_stages, lambda st, tok: (st, tok), st, tok)
             return (st, tok), None
 
-        xs = tuple(jnp.asarray(x) for x in (*rows, plan.recv_slot, pattern))
+        data_axes = cfg.data_axes[0] if len(cfg.data_axes) == 1 else cfg.data_axes
+        xs = tuple(jnp.asarray(x) for x in (*rows, plan.recv_slot, pattern, plan.done))
         (st, tok), _ = lax.scan(tick, (st, tok), xs)
 
-        # each block's gradient back to the pp pieces it is stored in; embedding and head summed
+        # each block's gradient (already averaged over the data axes) back to the pp pieces it is
+        # stored in, then this rank's share of the storage axis; embedding and head summed over pp
+        # and reduced over the data axes as the engine reduces a unit's
         grads, tok = self._stage_grads(st["dw"], rank, tok)
+        grads = {k: self._storage_share(k, g) for k, g in grads.items()}
+        outer = {}
         for k in outer_keys:
-            grads[k], tok = comm.all_reduce(st["douter"][k], cfg.pp_axis, tok, op="sum", backend=cfg.backend)
+            outer[k], tok = comm.all_reduce(st["douter"][k], cfg.pp_axis, tok, op="sum", backend=cfg.backend)
+        handle, tok = reduce.start(outer, tok)
+        outer, tok = reduce.wait(handle, tok)
+        grads.update(outer)
         loss, tok = comm.all_reduce(st["loss"], cfg.pp_axis, tok, op="sum", backend=cfg.backend)
-        handle, tok = reduce.start(grads, tok)  # over the data axes, as the engine reduces a unit's
-        grads, tok = reduce.wait(handle, tok)
         if cfg.data_axes:
-            axes = cfg.data_axes[0] if len(cfg.data_axes) == 1 else cfg.data_axes
-            loss, tok = comm.all_reduce(loss, axes, tok, op="mean", backend=cfg.backend)
+            loss, tok = comm.all_reduce(loss, data_axes, tok, op="mean", backend=cfg.backend)
         out = [grads[k].astype(self.leaves[k].dtype) for k in range(len(self.leaves))]
         return self.treedef.unflatten(out), model_state, {"loss": loss}
+
+    def _storage_share(self, k: int, g):
+        """This rank's slice of a gradient already averaged over the data axes, along the storage
+        dimension (the slice a reduce-scatter over the storage axis would leave)."""
+        d = self._store_dim(k, g)
+        if d is None or not self.cfg.storage_axis:
+            return g
+        size = g.shape[d] // self.cfg._size(self.cfg.storage_axis)
+        return lax.dynamic_slice_in_dim(g, lax.axis_index(self.cfg.storage_axis) * size, size, axis=d)
 
     # -- where the blocks live over pp ---------------------------------------------------------
 
@@ -404,3 +432,17 @@ class PipelineRun(ParallelRun):
                     for c in range(v):
                         grads[self._block_leaf(k, c, r)] = every[r, c]
         return grads, tok
+
+
+def _mean_over(tree: dict, axes, tok, backend):
+    """`tree`'s arrays averaged over `axes`: one all-reduce per dtype."""
+    out = dict(tree)
+    for dtype in sorted({x.dtype for x in tree.values()}, key=str):
+        keys = [k for k in sorted(tree) if tree[k].dtype == dtype]
+        flat = jnp.concatenate([tree[k].reshape(-1) for k in keys])
+        flat, tok = comm.all_reduce(flat, axes, tok, op="mean", backend=backend)
+        offset = 0
+        for k in keys:
+            out[k] = flat[offset : offset + tree[k].size].reshape(tree[k].shape)
+            offset += tree[k].size
+    return out, tok

@@ -113,6 +113,38 @@ def test_each_tick_is_one_sendrecv_carrying_all_its_messages():
     assert ((0, 1),) in pairs and ((3, 2),) in pairs  # a lone send of warm-up, a lone receive of cool-down
 
 
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for x in value if isinstance(value, tuple | list) else (value,):
+            inner = getattr(x, "jaxpr", x)
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def _find(jaxpr, name):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            yield eqn
+        for inner in _sub_jaxprs(eqn):
+            yield from _find(inner, name)
+
+
+def test_stage_gradients_are_averaged_over_dp_inside_the_tick_loop():
+    """The data-axis all-reduce of a rank's stage gradients runs in the tick of its last op (inside the
+    scanned ticks, while later ranks still run the cool-down), not after the schedule."""
+    import jax
+
+    strategy = Pipelined(cpu_mesh((2, 4), ("pp", "dp")), microbatches=4)
+    batch = mlp_batches(1)[0]
+    run = strategy.prepare(ResMLP(nnx.Rngs(0), layers=2), optax.sgd(0.1), MLP_UNITS, batch)
+    closed = jax.make_jaxpr(run._step)(run.state, batch)
+    (scan,) = list(_find(closed.jaxpr, "scan"))
+    inside = [e for e in _find(scan.params["jaxpr"].jaxpr, "psum") if e.params["axes"] == ("dp",)]
+    assert len(inside) == 1
+    assert run.plan.done.sum(axis=0).tolist() == [1, 1]  # once per rank
+    assert run.plan.done[:, 1].argmax() < run.plan.done[:, 0].argmax()  # the last stage finishes first
+
+
 def test_each_rank_stores_a_pp_th_of_every_block_and_of_its_optimizer_state():
     """Blocks (and Adam's moments of them) are split over pp as well as ZeRO-1 over dp: a device
     holds 1/(pp x dp) of a block kernel; the embedding and head stay whole over pp."""
