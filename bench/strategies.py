@@ -55,6 +55,7 @@ from jaxdist.comm import nccl  # noqa: E402
 from jaxdist.ddp import DDP  # noqa: E402
 from jaxdist.engine import Parallel  # noqa: E402
 from jaxdist.fsdp import FSDP, Units  # noqa: E402
+from jaxdist.pipeline import Pipelined  # noqa: E402
 from jaxdist.train.gpt import FLAVORS, GPT, UNITS, embed_inputs, head_loss, next_token_loss, tp_plan_for  # noqa: E402
 from jaxdist.train.trainer import flops_per_token  # noqa: E402
 
@@ -122,6 +123,21 @@ def engine_tp(data_axis: str, sequence_parallel: bool = False):
     return build
 
 
+def pipeline(schedule: str, virtual: int = 1):
+    def build(model, devices, batch_for, backend):
+        pp = len(devices)
+        if pp < 2:
+            raise ValueError("the pipeline needs 2+ GPUs")
+        mesh = mesh_for(devices, (pp,), ("pp",), backend)
+        batch = batch_for(mesh)
+        rows = batch["tokens"].shape[0]
+        m = 4 * pp if rows % (4 * pp) == 0 else pp
+        strategy = Pipelined(mesh, microbatches=m, schedule=schedule, virtual=virtual, backend=backend)
+        return strategy.prepare(model, optimizer(), UNITS, batch), batch
+
+    return build
+
+
 CONFIGS = {  # name: (builder, comm backend)
     "1gpu": (plain_jit, None),
     "xla-dp": (xla_auto("dp", None), None),
@@ -135,6 +151,8 @@ CONFIGS = {  # name: (builder, comm backend)
             ("dptp", engine_tp("dp")),
             ("dptpsp", engine_tp("dp", sequence_parallel=True)),
             ("fsdptp", engine_tp("fsdp")),
+            ("pp1f1b", pipeline("1f1b")),
+            ("ppinterleaved", pipeline("interleaved", virtual=2)),
         )
         for backend in ("xla", "nccl")
     },
@@ -160,7 +178,7 @@ def measure(flavor: str, config: str, per_gpu_batch: int, steps: int, profile: s
     rng = np.random.default_rng(0)
 
     def batch_for(mesh):
-        data_axes = tuple(a for a in mesh.axis_names if a != "tp")
+        data_axes = tuple(a for a in mesh.axis_names if a not in ("tp", "pp"))
         tokens = rng.integers(0, cfg.vocab_size, (per_gpu_batch * mesh.size, cfg.seq_len + 1), dtype=np.int32)
         return {"tokens": jax.device_put(tokens, NamedSharding(mesh, P(data_axes)))}
 

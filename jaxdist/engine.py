@@ -129,18 +129,22 @@ class Parallel:
 
     def __post_init__(self):
         names = self.mesh.axis_names
-        known = {self.dp_axis, self.fsdp_axis, self.tp_axis}
-        unknown = [a for a in names if a not in known]
+        unknown = [a for a in names if a not in self._known_axes()]
         if unknown:
             raise ValueError(
                 f"Parallel: mesh axes {unknown} are none of dp_axis={self.dp_axis!r}, fsdp_axis={self.fsdp_axis!r}, "
-                f"tp_axis={self.tp_axis!r}; name the mesh axes after them or pass the names"
+                f"tp_axis={self.tp_axis!r}; name the mesh axes after them or pass the names (a pipeline axis: "
+                "jaxdist.pipeline.Pipelined)"
             )
         if self.tp > 1 and self.plan is None:
             raise ValueError(f"Parallel: the {self.tp_axis!r} axis has size {self.tp}; pass plan=TPPlan(...)")
         check_buffers("Parallel", self.buffers, self.prefetch)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("Parallel: sequence_parallel needs a tp axis of size > 1")
+
+    def _known_axes(self) -> tuple[str, ...]:
+        """The mesh axes these options place work on (a subclass adding an axis extends it)."""
+        return (self.dp_axis, self.fsdp_axis, self.tp_axis)
 
     def _size(self, axis: str) -> int:
         return self.mesh.shape[axis] if axis in self.mesh.axis_names else 1

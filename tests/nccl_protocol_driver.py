@@ -115,6 +115,8 @@ def main() -> None:
         run_on_new_comm(ALL_REDUCE, 0),
         fail=("CommGetAsyncError", NCCL_INTERNAL_ERROR, "remote rank failed"),
     )
+    for blocking in (1, 0):
+        results[f"pipeline_{'blocking' if blocking else 'nonblocking'}"] = pipeline_ticks(next(keys), blocking)
     key = next(keys)
     init(key, 1)
     scenario("destroy", lambda: _native.call("jaxdist_comm_destroy", key))
@@ -170,6 +172,39 @@ def main() -> None:
     other.join(10)
     results["independent_polls"]["both_finished"] = not held.is_alive() and not other.is_alive()
     print(json.dumps(results))
+
+
+def pipeline_ticks(key: int, blocking: int) -> dict:
+    """A 1F1B table over pp=4 ranks of one communicator, issued tick by tick as the pipeline step's
+    `comm.sendrecv(x, "pp", perm=tick.perm())` issues it: each rank's peers picked from the perm as
+    the FFI handler picks them (the pair whose src is the rank: its send peer; whose dst: its receive
+    peer). Returns, per tick and rank, the fake's call log of that rank's op."""
+    from jaxdist.pipeline_schedule import one_f_one_b
+
+    lib = _native.ffi_library()
+    fake = ctypes.CDLL(sys.argv[1])
+    fake.fake_nccl_log.restype = ctypes.c_char_p
+    pp = 4
+    ids = b"\x09" * lib.jaxdist_unique_id_bytes() * pp
+    ints = lambda *xs: (ctypes.c_int * len(xs))(*xs)  # noqa: E731
+    devices = list(range(-1, -pp - 1, -1))
+    _native.call("jaxdist_comm_init", key, pp, ids, ints(*[pp] * pp), ints(*range(pp)), ints(*devices), blocking, b"pp")
+    _native.call("jaxdist_comm_wait_ready", key)
+    table = one_f_one_b(pp, 4)
+    out = []
+    for tick in table.ticks:
+        perm = tick.perm()
+        per_rank = {}
+        for rank in range(pp):
+            send = next((d for s, d in perm if s == rank), -1)
+            recv = next((s for s, d in perm if d == rank), -1)
+            if send < 0 and recv < 0:
+                continue
+            fake.fake_nccl_reset()
+            _native.call("jaxdist_test_issue", key, devices[rank], SENDRECV, 16, send, recv)
+            per_rank[rank] = fake.fake_nccl_log().decode().splitlines()
+        out.append(per_rank)
+    return {"ticks": out, "perms": [list(map(list, t.perm())) for t in table.ticks]}
 
 
 if __name__ == "__main__":

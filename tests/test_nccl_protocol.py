@@ -54,6 +54,31 @@ def test_each_op_is_issued_inside_its_own_group_then_polled(runs, op, calls, mod
 
 
 @pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+def test_each_pipeline_tick_of_a_rank_is_one_group_lone_sends_and_receives_too(runs, mode):
+    """A 1F1B table (pp=4, 4 micro-batches) issued tick by tick: every rank that communicates in a
+    tick issues its send and its receive in one group; a warm-up tick's lone send and a cool-down
+    tick's lone receive are grouped as well (seed 003)."""
+    ticks = runs[f"pipeline_{mode}"]["ticks"]
+    poll = ["CommGetAsyncError -> Success"] if mode == "nonblocking" else []
+    kinds = set()
+    for t, per_rank in enumerate(ticks):
+        for rank, log in per_rank.items():
+            calls = log[1 : log.index("GroupEnd")]
+            assert log == ["GroupStart", *calls, "GroupEnd", *poll], (t, rank, log)
+            assert 1 <= len(calls) <= 2 and all(c.split()[0] in ("Send", "Recv") for c in calls), (t, rank)
+            kinds.add(tuple(c.split()[0] for c in calls))
+    assert ticks[0] == {
+        "0": ["GroupStart", "Send peer=1 count=16", "GroupEnd", *poll],
+        "1": ["GroupStart", "Recv peer=0 count=16", "GroupEnd", *poll],
+    }  # warm-up
+    assert ticks[-2] == {
+        "1": ["GroupStart", "Send peer=0 count=16", "GroupEnd", *poll],
+        "0": ["GroupStart", "Recv peer=1 count=16", "GroupEnd", *poll],
+    }  # cool-down
+    assert kinds == {("Send",), ("Recv",), ("Send", "Recv")}
+
+
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
 def test_init_of_several_local_ranks_is_grouped_and_polled(runs, mode):
     log = runs[f"init_{mode}"]["log"]
     b = int(mode == "blocking")
