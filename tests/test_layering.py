@@ -28,6 +28,7 @@ LAYERS = {
     "jaxdist._step": 4,
     "jaxdist.model_state": 4,
     "jaxdist.tp_plan": 4,
+    "jaxdist._tp_grads": 4,
     "jaxdist.ddp": 5,
     "jaxdist.fsdp": 5,
     "jaxdist.engine": 5,
