@@ -111,6 +111,12 @@ def fsdp(model, devices, batch_for, backend):
     return FSDP(mesh, backend=backend).prepare(model, optimizer(), Units(embed_inputs, head_loss), batch), batch
 
 
+def engine_zero3(model, devices, batch_for, backend):
+    mesh = mesh_for(devices, (len(devices),), ("fsdp",), backend)
+    batch = batch_for(mesh)
+    return Parallel(mesh, backend=backend).prepare(model, optimizer(), UNITS, batch), batch
+
+
 def engine_tp(data_axis: str, sequence_parallel: bool = False):
     def build(model, devices, batch_for, backend):
         if len(devices) % 2:
@@ -148,6 +154,7 @@ CONFIGS = {  # name: (builder, comm backend)
             ("ddp", ddp(zero1=False)),
             ("zero1", ddp(zero1=True)),
             ("fsdp", fsdp),
+            ("zero3", engine_zero3),
             ("dptp", engine_tp("dp")),
             ("dptpsp", engine_tp("dp", sequence_parallel=True)),
             ("fsdptp", engine_tp("fsdp")),
