@@ -297,7 +297,7 @@ def test_bf16_compute_matches_a_single_device_bf16_run_and_gathers_bf16(mesh):
     assert param_diffs(params, fp32_params).mean() > 10 * BF16_PARAM_MEAN_ATOL
     # what jaxdist asks for: each rank's pieces are cast before the gather, so the collective moves bf16
     # (XLA's CPU backend then widens bf16 collectives to f32 itself)
-    text = run.step.lower(run.state, data[0]).as_text()
+    text = run.step.lower(state, data[0]).as_text()
     unit = f"x{block_size(run) // 8}x"
     gathers = [line for line in text.splitlines() if "all_gather" in line and unit in line]
     assert len(gathers) == 2 * CFG.n_layers and all(f"{unit}bf16>" in line for line in gathers), gathers[:2]
