@@ -20,7 +20,10 @@ while the previous unit runs backward. Both loops are
 own structure), so a unit's weights exist only as the value returned by the
 wait of this step's gather (seed 000), and the carry bounds the gathered
 units (seed 002). The optimizer then updates the sharded parameter tree
-outside the per-device program, where global reductions (clipping) are exact.
+outside the per-device program, where global reductions (clipping) are exact;
+with `update_in_backward` it updates each unit inside it instead, as soon as
+the unit's gradients are reduced (per-leaf optimizers only). FSDP
+(`jaxdist.fsdp`) is this engine with ZeRO-3 storage and no tp.
 """
 
 from __future__ import annotations
