@@ -29,10 +29,13 @@ def main() -> None:
         return {"tokens": ((start + np.arange(cfg.seq_len + 1)) % cfg.vocab_size).astype(np.int32)}
 
     in_backward = "--update-in-backward" in sys.argv
-    fsdp = FSDP(mesh, buffers=2, update_in_backward=in_backward, skip_nonfinite=not in_backward)
+    fsdp = FSDP(mesh, buffers=2, update_in_backward=in_backward)
     run = fsdp.prepare(GPT(cfg, nnx.Rngs(0)), optax.adamw(3e-3), Units(embed_inputs, head_loss), batch())
-    blocks = run.state.params["blocks"]
-    print(f"{run.n_blocks} blocks of {run.block_bucket.size} parameters, {blocks.sharding.spec} over {mesh.shape}\n")
+    qkv = run.state.params["blocks"][0]["qkv"]["kernel"]  # each parameter in its own shape, sharded
+    block = sum(x.size for x in jax.tree.leaves(run.state.params["blocks"][0]))
+    print(
+        f"{run.n_blocks} blocks of {block} parameters; qkv kernel {qkv.shape}: {qkv.sharding.spec} over {mesh.shape}\n"
+    )
     state = run.state
     for step in range(30):
         state, metrics = run.step(state, batch())

@@ -20,7 +20,10 @@ while the previous unit runs backward. Both loops are
 own structure), so a unit's weights exist only as the value returned by the
 wait of this step's gather (seed 000), and the carry bounds the gathered
 units (seed 002). The optimizer then updates the sharded parameter tree
-outside the per-device program, where global reductions (clipping) are exact.
+outside the per-device program, where global reductions (clipping) are exact;
+with `update_in_backward` it updates each unit inside it instead, as soon as
+the unit's gradients are reduced (per-leaf optimizers only). FSDP
+(`jaxdist.fsdp`) is this engine with ZeRO-3 storage and no tp.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from jaxdist._pipeline import AsyncOp, check_buffers, kept, pipelined_loop
 from jaxdist._step import PlacedStep, TrainState, local_batch_avals
 from jaxdist._tp_grads import tp_summed
 from jaxdist.model_state import ModelState, keep_if, training_copy
+from jaxdist.per_leaf import check_per_leaf, owners
 from jaxdist.tp_plan import Binding, TPPlan, bind, from_storage, to_storage
 
 
@@ -104,8 +108,22 @@ class Parallel:
       prefetch: how many units ahead gathers start; needs `prefetch + 1 <= buffers`
         (the loop's carry then holds `prefetch` in-flight units, so a third buffer
         cannot be written with the default 2).
+      compute_dtype: dtype parameters are gathered and computed in (e.g. bfloat16): each
+        piece is cast before its gather, so the collective moves this dtype, while the
+        stored (master) parameters and the optimizer keep the model's dtype. None: the
+        model's dtype.
+      reduce_dtype: dtype gradients are reduced in (default: their own dtype, the compute
+        dtype); the optimizer receives them in the parameters' dtype.
+      update_in_backward: update each unit as soon as its gradients are reduced, inside the
+        step, so the gradients of all units never exist at once. The optimizer then runs
+        unit by unit on the unit's parameters and state, which is exact only for per-leaf
+        transformations (adam, adamw, sgd, lion, masks, multi_transform by path): one that
+        combines parameters (clip_by_global_norm, apply_if_finite) raises at `prepare`.
+        Excludes `max_grad_norm` and `skip_nonfinite` (both need every gradient before any
+        update); `metrics["grad_norm"]` is NaN.
       max_grad_norm: clip by the global gradient norm, or None.
-      skip_nonfinite: skip the update (and report it) when the gradient norm is NaN/Inf.
+      skip_nonfinite: skip the update (and report it) when the gradient norm is NaN/Inf
+        (default: on, unless `update_in_backward`).
       record_weights: report, per block, the sum of the weights it computed with
         (`metrics["weights_used"]`; a test probe that costs a reduction per step).
       backend: the `jaxdist.comm` backend.
@@ -122,8 +140,11 @@ class Parallel:
     remat: bool = False
     buffers: int = 2
     prefetch: int = 1
+    compute_dtype: Any = None
+    reduce_dtype: Any = None
+    update_in_backward: bool = False
     max_grad_norm: float | None = None
-    skip_nonfinite: bool = True
+    skip_nonfinite: bool | None = None
     record_weights: bool = False
     backend: str | None = None
 
@@ -141,6 +162,20 @@ class Parallel:
         check_buffers("Parallel", self.buffers, self.prefetch)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("Parallel: sequence_parallel needs a tp axis of size > 1")
+        if self.update_in_backward and self.max_grad_norm is not None:
+            raise ValueError(
+                "Parallel: update_in_backward updates each unit before the global gradient norm exists, so it cannot "
+                "clip by it; drop max_grad_norm or set update_in_backward=False"
+            )
+        if self.update_in_backward and self.skip_nonfinite:
+            raise ValueError(
+                "Parallel: update_in_backward updates units before every gradient is known, so it cannot skip a step "
+                "with a NaN/Inf gradient; pass skip_nonfinite=False or set update_in_backward=False"
+            )
+
+    @property
+    def skips_nonfinite(self) -> bool:
+        return self.skip_nonfinite if self.skip_nonfinite is not None else not self.update_in_backward
 
     def _known_axes(self) -> tuple[str, ...]:
         """The mesh axes these options place work on (a subclass adding an axis extends it)."""
@@ -262,7 +297,10 @@ class ParallelRun:
         self.head_leaves = [k for k in outer if k in read_by_head or k not in read_by_embed]
         self.tied = [k for k in self.embed_leaves if k in self.head_leaves]
         self.tp_sums = self._decide_tp_sums(x_aval) if cfg.tp > 1 else {}
+        if cfg.update_in_backward:
+            check_per_leaf(optimizer, pure, "Parallel")
         self.state = self._init_state(pure)
+        self.opt_owners = owners(self.state.opt_state, self.state.params)
         self.step = PlacedStep(self._step, self._sharding(self._batch_spec()))
 
     # -- blocks and layout -----------------------------------------------------------
@@ -590,6 +628,7 @@ class ParallelRun:
         others = tuple(a for a in cfg.data_axes if a != axis)
 
         def gather_start(ws: dict, tok):
+            ws = self._in_compute_dtype(ws)  # before the gather: the collective moves the compute dtype
             sharded = [k for k in sorted(ws) if self._store_dim(k, ws[k]) is not None]
             if not sharded:
                 return (None, ws), tok
@@ -614,6 +653,8 @@ class ParallelRun:
             return out, tok
 
         def reduce_start(gs: dict, tok):
+            if cfg.reduce_dtype is not None:
+                gs = {k: g.astype(cfg.reduce_dtype) for k, g in gs.items()}
             n = cfg._size(axis) if axis else 1
             sharded = [k for k in sorted(gs) if self._store_dim(k, gs[k]) is not None]
             rest = [k for k in sorted(gs) if self._store_dim(k, gs[k]) is None]
@@ -665,6 +706,13 @@ class ParallelRun:
             AsyncOp(reduce_start, reduce_wait, "engine.reduce"),
         )
 
+    def _in_compute_dtype(self, ws: dict) -> dict:
+        dtype = self.cfg.compute_dtype
+        if dtype is None:
+            return ws
+        cast = lambda w: w.astype(dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w
+        return {k: cast(w) for k, w in ws.items()}
+
     # -- the step -------------------------------------------------------------------------
 
     def _batch_spec(self) -> P:
@@ -680,6 +728,20 @@ class ParallelRun:
             metrics_spec["aux"] = self.aux_specs
         if cfg.record_weights:
             metrics_spec["weights_used"] = P()
+        if cfg.update_in_backward:  # the optimizer runs inside, unit by unit
+            opt_specs = jax.tree.map(lambda s: s.spec, self.state_shardings.opt_state)
+            body = jax.shard_map(
+                self._local_grads,
+                mesh=self.mesh,
+                in_specs=(specs, P(), P(), batch_spec, opt_specs),
+                out_specs=((specs, opt_specs), P(), metrics_spec),
+                check_vma=False,
+            )
+            (params, opt_state), model_state, metrics = body(
+                state.params, state.model_state, state.step, batch, state.opt_state
+            )
+            new = TrainState(params, opt_state, state.step + 1, model_state)
+            return new, {**metrics, "grad_norm": jnp.float32(jnp.nan), "skipped": jnp.zeros((), jnp.bool_)}
         body = jax.shard_map(
             self._local_grads,
             mesh=self.mesh,
@@ -697,7 +759,7 @@ class ParallelRun:
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         skipped = jnp.zeros((), jnp.bool_)
-        if cfg.skip_nonfinite:
+        if cfg.skips_nonfinite:
             skipped = ~jnp.isfinite(norm)
             keep = lambda new, old: jnp.where(skipped, old, new)
             params, opt_state = jax.tree.map(keep, (params, opt_state), (state.params, state.opt_state))
@@ -707,8 +769,13 @@ class ParallelRun:
         new = TrainState(params, opt_state, state.step + 1, model_state)
         return new, {**metrics, "grad_norm": norm, "skipped": skipped}
 
-    def _local_grads(self, params, model_state, step, batch):
+    def _local_grads(self, params, model_state, step, batch, opt_state=None):
+        """This rank's gradient pieces; with `opt_state` (update_in_backward) the updated
+        parameters and optimizer state instead, each unit updated as soon as it is reduced."""
         cfg = self.cfg
+        in_backward = opt_state is not None
+        if in_backward:
+            update = lambda gs, acc, layer=None: self._update_unit(gs, acc, params, opt_state, layer)
         # RNG streams folded with the step and this data rank (every tp rank of it draws the same)
         rank = jax.lax.axis_index(_axes(cfg.data_axes)) if cfg.data_axes else 0
         outer_in = self.outer_state.for_step(model_state["outer"], rank, step)
@@ -780,6 +847,8 @@ class ParallelRun:
             return dx_in, dw, None
 
         def finish(i, g, acc, tok):
+            if in_backward:
+                return update(g, acc, i if self.units.stacked else None), tok
             return {**acc, i: g}, tok
 
         fetch = gather if cfg.regather else kept("engine.kept")
@@ -793,12 +862,14 @@ class ParallelRun:
             fetch_input=fetch_input,
             emit=reduce,
             finish=finish,
-            acc={},
+            acc=(jax.tree.leaves(params), jax.tree.leaves(opt_state)) if in_backward else {},
             depth=min(cfg.prefetch, self.n_blocks),
             reverse=True,
             unroll=True,
         )
-        if self.units.stacked:  # the stacked leaves' gradients, layer by layer
+        if in_backward:
+            grads = {}
+        elif self.units.stacked:  # the stacked leaves' gradients, layer by layer
             grads = {k: jnp.stack([per_block[i][k] for i in range(self.n_blocks)]) for k in self.block_leaves[0]}
         else:
             grads = {k: g for i in range(self.n_blocks) for k, g in per_block[i].items()}
@@ -809,7 +880,9 @@ class ParallelRun:
         if head_handle is not None:
             g_head, tok = reduce.wait(head_handle, tok)
             grads.update(g_head)
-        loss = total
+        if in_backward:
+            new_params, new_opt = update(grads, per_block)
+        loss = total.astype(jnp.float32)  # reported in float32 whatever the compute dtype
         if cfg.data_axes:
             op = "mean" if count is None else "sum"
             loss, tok = comm.all_reduce(loss, _axes(cfg.data_axes), tok, op=op, backend=cfg.backend)
@@ -825,8 +898,34 @@ class ParallelRun:
                 stacked, tok = comm.all_reduce(stacked, cfg.tp_axis, tok, op="sum", backend=cfg.backend)
             metrics["weights_used"] = stacked
         new_model_state, tok = self._model_state_after(model_state, outer_out, blocks_out, tok)
+        if in_backward:
+            updated = (self.treedef.unflatten(new_params), jax.tree.structure(opt_state).unflatten(new_opt))
+            return updated, new_model_state, metrics
         out = [grads[k].astype(self.leaves[k].dtype) for k in range(len(self.leaves))]
         return self.treedef.unflatten(out), new_model_state, metrics
+
+    def _update_unit(self, gs: dict, acc, params, opt_state, layer=None):
+        """update_in_backward: the leaves `gs` names (layer `layer` of stacked ones) updated from the
+        step's values, into `acc` = (parameter leaves, optimizer state leaves). The optimizer runs on
+        the whole tree with zero gradients elsewhere, results XLA drops: exact for the per-leaf
+        transformations `prepare` admits (`jaxdist.per_leaf`); shared state (a count) is the same
+        from every unit."""
+        new_p, new_s = list(acc[0]), list(acc[1])
+        sliced = lambda k: layer is not None and k in gs
+        piece = lambda x, k: x[layer] if sliced(k) else x
+        p_in = [piece(x, k) for k, x in enumerate(jax.tree.leaves(params))]
+        g_in = [gs[k].astype(x.dtype) if k in gs else jnp.zeros_like(x) for k, x in enumerate(p_in)]
+        s_in = [piece(x, o) for x, o in zip(jax.tree.leaves(opt_state), self.opt_owners, strict=True)]
+        tree, s_tree = self.treedef.unflatten, jax.tree.structure(opt_state)
+        updates, s_out = self.optimizer.update(tree(g_in), s_tree.unflatten(s_in), tree(p_in))
+        p_out = jax.tree.leaves(optax.apply_updates(tree(p_in), updates))
+        put = lambda whole, k, x: whole.at[layer].set(x) if sliced(k) else x
+        for k in gs:
+            new_p[k] = put(new_p[k], k, p_out[k])
+        for j, (o, x) in enumerate(zip(self.opt_owners, jax.tree.leaves(s_out), strict=True)):
+            if o is None or o in gs:
+                new_s[j] = put(new_s[j], o, x)
+        return new_p, new_s
 
     def _model_state_after(self, before, outer_out, blocks_out, tok):
         """What the step stores (`ModelState.after_step`): batch statistics averaged over the mesh (the
@@ -859,21 +958,11 @@ class ParallelRun:
 
 
 def _mirror_shardings(opt_shapes, params, replicated):
-    """Each optimizer state leaf that mirrors a parameter (same path suffix and shape, as Adam's
-    moments do, also inside masked and multi_transform states) is sharded like it; others replicated."""
-    by_path = {
-        tuple(str(k) for k in kp): (x.shape, x.sharding) for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
-
-    def sharding(kp, x):
-        keys = tuple(str(k) for k in kp)
-        for start in range(len(keys)):
-            hit = by_path.get(keys[start:])
-            if hit is not None and hit[0] == x.shape:
-                return hit[1]
-        return replicated
-
-    return jax.tree_util.tree_map_with_path(sharding, opt_shapes)
+    """Each optimizer state leaf that mirrors a parameter (`jaxdist.per_leaf.owners`) is sharded like
+    it; others replicated."""
+    shardings = [x.sharding for x in jax.tree.leaves(params)]
+    placed = [replicated if o is None else shardings[o] for o in owners(opt_shapes, params)]
+    return jax.tree.structure(opt_shapes).unflatten(placed)
 
 
 def _fetch(op: AsyncOp, value, tok):

@@ -16,7 +16,7 @@ stays replicated.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -36,18 +36,6 @@ def training_copy(model: nnx.Module) -> nnx.Module:
 def split_for_training(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     """`(graphdef, params, rest)` of `model` in train mode."""
     return nnx.split(training_copy(model), nnx.Param, ...)
-
-
-def check_identical_blocks(blocks: Sequence[nnx.Module], who: str) -> None:
-    """Raise unless every block has block 0's static definition (module types, static attributes)."""
-    first = nnx.split(blocks[0], nnx.Param, ...)[0]
-    for i, block in enumerate(blocks):
-        if nnx.split(block, nnx.Param, ...)[0] != first:
-            raise ValueError(
-                f"{who}: block {i} has another static definition than block 0 (a different module type or "
-                "static attribute, e.g. an activation flag or head count); every block runs one definition, "
-                "so make the blocks identical or move the differing one out of the blocks"
-            )
 
 
 def _is_key(x) -> bool:

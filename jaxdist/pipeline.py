@@ -74,7 +74,7 @@ class Pipelined(Parallel):
         super().__post_init__()
         if self.pp < 2:
             raise ValueError(f"Pipelined: the mesh needs a {self.pp_axis!r} axis of size >= 2; use Parallel without")
-        for flag in ("record_weights", "sequence_parallel"):
+        for flag in ("record_weights", "sequence_parallel", "update_in_backward"):
             if getattr(self, flag):
                 raise ValueError(f"Pipelined: {flag} is not supported with a pipeline axis yet; turn it off")
         self.table()  # a table that cannot run is an error now, before anything is traced

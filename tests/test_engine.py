@@ -202,6 +202,57 @@ def test_sgd_step_and_grad_norm_are_exact_with_a_scale_sensitive_optimizer():
     assert_params_close(params, ref_params, atol=1e-5)
 
 
+def per_leaf_sgd():
+    """SGD with momentum (scale-sensitive) and weight decay masked off for biases: per-leaf, by path."""
+    no_bias = lambda p: jax.tree_util.tree_map_with_path(lambda kp, _: kp[-1].key != "bias", p)
+    return optax.chain(optax.masked(optax.add_decayed_weights(0.1), no_bias), optax.sgd(0.1, momentum=0.9))
+
+
+@pytest.mark.parametrize(
+    ("shape", "names"), [((2, 2, 2), ("dp", "fsdp", "tp")), ((4, 2), ("dp", "tp"))], ids=["hsdpxtp", "zero1xtp"]
+)
+def test_update_in_backward_matches_single_device(shape, names):
+    """Each unit is updated inside the step as soon as its gradients are reduced, by the optimizer on
+    that unit's parameters and state: exact for a per-leaf optimizer, masks by path included."""
+    data = mlp_batches(3)
+    ref_losses, ref_params, _ = reference(lambda: ResMLP(nnx.Rngs(0)), mlp_loss, data, per_leaf_sgd())
+    strategy = Parallel(cpu_mesh(shape, names), plan=MLP_PLAN, update_in_backward=True)
+    losses, params, _, state, metrics = engine_run(
+        strategy, lambda: ResMLP(nnx.Rngs(0)), MLP_UNITS, data, per_leaf_sgd()
+    )
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    assert_params_close(params, ref_params, atol=1e-5)
+    assert int(state.step) == 3 and np.isnan(float(metrics[0]["grad_norm"])) and not bool(metrics[0]["skipped"])
+
+
+def test_update_in_backward_refuses_what_needs_every_gradient_first():
+    mesh = cpu_mesh((8,), ("fsdp",))
+    with pytest.raises(ValueError, match="cannot clip by it; drop max_grad_norm"):
+        Parallel(mesh, update_in_backward=True, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="cannot skip a step"):
+        Parallel(mesh, update_in_backward=True, skip_nonfinite=True)
+    clip = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    with pytest.raises(ValueError, match="from other parameters' gradients.*clip_by_global_norm"):
+        Parallel(mesh, update_in_backward=True).prepare(ResMLP(nnx.Rngs(0)), clip, MLP_UNITS, mlp_batches(1)[0])
+
+
+def test_compute_dtype_casts_each_piece_before_its_gather():
+    """compute_dtype=bf16 under FSDP x TP: every parameter gather moves bf16 (f32 without it), while
+    the stored parameters stay float32."""
+    mesh = cpu_mesh((4, 2), ("fsdp", "tp"))
+    dtypes = {}
+    for compute in (None, jnp.bfloat16):
+        run = Parallel(mesh, plan=tp_plan_for(GPT_CFG), compute_dtype=compute).prepare(
+            GPT(GPT_CFG, nnx.Rngs(0)), adamw(), UNITS, gpt_batches(1)[0]
+        )
+        assert {x.dtype for x in jax.tree.leaves(run.state.params)} == {jnp.dtype(jnp.float32)}
+        text = run.step.lower(run.state, gpt_batches(1)[0]).as_text()
+        gathers = [line for line in text.splitlines() if "stablehlo.all_gather" in line and ": (tensor<1x" in line]
+        dtypes[compute] = [line.split(": (tensor<1x")[1].split(">")[0].split("x")[-1] for line in gathers]
+    assert len(dtypes[None]) == len(dtypes[jnp.bfloat16]) == 2 * GPT_CFG.n_layers + 2  # blocks twice, embed, head
+    assert set(dtypes[None]) == {"f32"} and set(dtypes[jnp.bfloat16]) == {"bf16"}, dtypes
+
+
 def test_state_is_the_models_parameter_tree_sharded_over_the_mesh():
     mesh = cpu_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
     run = Parallel(mesh, plan=MLP_PLAN).prepare(ResMLP(nnx.Rngs(0)), optax.adam(1e-3), MLP_UNITS, mlp_batches(1)[0])

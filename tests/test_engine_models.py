@@ -285,6 +285,23 @@ def test_published_style_transformer_matches_single_device(stacked_reference, me
     assert_aux_is_the_single_device_one(metrics[0]["aux"], cfg, data[0], n_data=n_data)
 
 
+def test_stacked_layers_update_in_backward_layer_by_layer(stacked_reference):
+    """update_in_backward on stacked layers: slice i of every stacked parameter and of its AdamW
+    moments is updated as soon as layer i's gradients are reduced, as one device updates them all."""
+    mesh = cpu_mesh((8,), ("fsdp",))
+    cfg = Config()
+    losses, params, *_ = engine_run(
+        Parallel(mesh, update_in_backward=True),
+        lambda: make_model(cfg, mesh),
+        UNITS,
+        batches(STEPS),
+        optax.adamw(3e-3, weight_decay=0.1),
+    )
+    ref_losses, ref_params, _ = stacked_reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    assert_params_close(params, ref_params)
+
+
 def assert_aux_is_the_single_device_one(aux, cfg: Config, batch, n_data: int) -> None:
     """Per-example losses come back for the global batch, the token count averaged over data ranks."""
     np.testing.assert_allclose(np.asarray(aux["per_example"]), per_example_reference(cfg, batch), rtol=1e-5)

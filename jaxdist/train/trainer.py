@@ -189,7 +189,10 @@ def layout_of(cfg: TrainConfig, mesh) -> dict:
     """What the exact train state depends on: if it matches a checkpoint's, that state restores as is."""
     p = cfg.parallel
     keys = ("fsdp", "tp", "zero1", "bucket_mb", "update_in_backward")
-    return {"mesh": dict(mesh.shape), **{k: getattr(p, k) for k in keys}, "dtype": cfg.model.dtype}
+    layout = {"mesh": dict(mesh.shape), **{k: getattr(p, k) for k in keys}, "dtype": cfg.model.dtype}
+    if p.fsdp > 1:  # FSDP stores the parameter tree (the unit engine's), no longer flat unit vectors
+        layout["storage"] = "parameter tree"
+    return layout
 
 
 def flops_per_token(m: GPTConfig) -> float:
