@@ -41,6 +41,7 @@ from jaxdist import comm
 from jaxdist import tp as tp_math
 from jaxdist._pipeline import AsyncOp, check_buffers, kept, pipelined_loop
 from jaxdist._step import PlacedStep, TrainState, local_batch_avals
+from jaxdist.canonical import canonical_avals, check_canonical, mirror_map, with_shardings
 from jaxdist.model_state import ModelState, keep_if, training_copy
 from jaxdist.tp_plan import Binding, TPPlan, bind, from_storage, to_storage
 
@@ -422,7 +423,9 @@ class ParallelRun:
             return self.treedef.unflatten(out)
 
         params = jax.jit(store, out_shardings=shardings)(pure)
-        opt_shardings = _mirror_shardings(jax.eval_shape(self.optimizer.init, params), params, self._sharding(P()))
+        replicated = self._sharding(P())
+        opt_shapes = jax.eval_shape(self.optimizer.init, params)
+        opt_shardings = mirror_map(opt_shapes, params, lambda _, p: p.sharding, lambda _: replicated)
         opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), self._sharding(P()))
         model_state = jax.device_put(self.initial_model_state, self._sharding(P()))
@@ -447,6 +450,71 @@ class ParallelRun:
         """An NNX model holding the parameters of `state`."""
         model_state = jax.device_put(state.model_state, self._sharding(P()))
         return nnx.merge(self.graphdef, self.params(state), self._rest(model_state))
+
+    # -- the canonical state (jaxdist.canonical) ---------------------------------------
+    # The parameters are already the model's tree, sharded like the canonical form; only grouped
+    # column layers are stored in another order along their tp dimension (`to_storage`).
+
+    def canonical_shardings(self) -> TrainState:
+        """Where the canonical state lives: parameters and the optimizer state mirroring them sharded
+        exactly as stored (over tp and the storage axis), everything else replicated."""
+        s = self.state_shardings
+        replicated = self._sharding(P())
+        return TrainState(s.params, s.opt_state, replicated, jax.tree.map(lambda _: replicated, self._model_avals()))
+
+    def _model_avals(self):
+        return jax.eval_shape(self._canonical_model_state, self.initial_model_state)
+
+    def _canonical_avals(self) -> TrainState:
+        params = self.treedef.unflatten([jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self.leaves])
+        return canonical_avals(self.optimizer, params, self._model_avals())
+
+    def canonical_target(self) -> TrainState:
+        """The canonical state's ShapeDtypeStructs with shardings (what a checkpoint restores onto)."""
+        return with_shardings(self._canonical_avals(), self.canonical_shardings())
+
+    def canonical(self, state: TrainState) -> TrainState:
+        """`state` in the canonical form (single-device shapes and order), resharded inside jit."""
+        return jax.jit(self._to_canonical, out_shardings=self.canonical_shardings())(state)
+
+    def from_canonical(self, tree: TrainState) -> TrainState:
+        """This run's state from a canonical one (e.g. restored from a checkpoint of another layout)."""
+        check_canonical(tree, self._canonical_avals(), "Parallel")
+        return jax.jit(self._from_canonical, out_shardings=self.state_shardings)(tree)
+
+    def _reorder(self, tree, convert):
+        """Apply `convert(x, tp_dim, groups, tp)` to every parameter and every optimizer leaf mirroring one."""
+        tp = self.cfg.tp
+        params, opt = tree
+        xs = jax.tree.leaves(params)
+        params = self.treedef.unflatten(
+            [convert(x, leaf.tp_dim, leaf.groups, tp) for x, leaf in zip(xs, self.leaves, strict=True)]
+        )
+        leaves = self.treedef.unflatten(self.leaves)
+        opt = mirror_map(opt, leaves, lambda x, leaf: convert(x, leaf.tp_dim, leaf.groups, tp), lambda x: x)
+        return params, opt
+
+    def _to_canonical(self, state: TrainState) -> TrainState:
+        params, opt = self._reorder((state.params, state.opt_state), from_storage)
+        return TrainState(params, opt, state.step, self._canonical_model_state(state.model_state))
+
+    def _from_canonical(self, tree: TrainState) -> TrainState:
+        params, opt = self._reorder((tree.params, tree.opt_state), to_storage)
+        return TrainState(params, opt, tree.step, self._own_model_state(tree.model_state))
+
+    def _canonical_model_state(self, model_state) -> dict:
+        """The model's variables as one pure dict (as DDP stores them): the blocks' under the blocks' name."""
+        out = dict(model_state["outer"])
+        blocks = {i: b for i, b in model_state["blocks"].items() if jax.tree.leaves(b)}
+        if blocks:
+            out[self.units.blocks] = blocks
+        return out
+
+    def _own_model_state(self, canonical: dict) -> dict:
+        outer = {k: v for k, v in canonical.items() if k != self.units.blocks}
+        placed = canonical.get(self.units.blocks, {})
+        blocks = {i: placed.get(i, {}) for i in range(self.n_blocks)} if self.block_states is not None else {}
+        return {"outer": outer, "blocks": blocks}
 
     # -- units as functions of their local parameter pieces ----------------------------
 
@@ -786,24 +854,6 @@ class ParallelRun:
         """Sum of a unit's gathered weights, replicated pieces counted once over tp."""
         tp = self.cfg.tp
         return sum(jnp.sum(w.astype(jnp.float32)) / (tp if self.leaves[k].tp_dim is None else 1) for k, w in ws.items())
-
-
-def _mirror_shardings(opt_shapes, params, replicated):
-    """Each optimizer state leaf that mirrors a parameter (same path suffix and shape, as Adam's
-    moments do, also inside masked and multi_transform states) is sharded like it; others replicated."""
-    by_path = {
-        tuple(str(k) for k in kp): (x.shape, x.sharding) for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
-
-    def sharding(kp, x):
-        keys = tuple(str(k) for k in kp)
-        for start in range(len(keys)):
-            hit = by_path.get(keys[start:])
-            if hit is not None and hit[0] == x.shape:
-                return hit[1]
-        return replicated
-
-    return jax.tree_util.tree_map_with_path(sharding, opt_shapes)
 
 
 def _fetch(op: AsyncOp, value, tok):

@@ -26,6 +26,7 @@ LAYERS = {
     "jaxdist._interleave": 3,
     "jaxdist._step": 4,
     "jaxdist.model_state": 4,
+    "jaxdist.canonical": 4,
     "jaxdist.tp_plan": 4,
     "jaxdist.ddp": 5,
     "jaxdist.fsdp": 5,
