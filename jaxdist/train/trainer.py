@@ -297,7 +297,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     window_start, window_tokens = time.perf_counter(), 0
     guard = StepWatchdog(timeout_from(cfg.run.step_timeout_s), out_dir, process_index=jax.process_index())
     batches = loader.batches(start)  # the data's whole state is the step: see jaxdist.train.shards
-    restore_sigterm = _sigterm_as_interrupt()
+    stop = _StopRequests()
     try:
         for step in range(start, end):
             guard.beat(step)  # a step (or the log/checkpoint work after it) past the deadline ends the run
@@ -335,18 +335,19 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
                 window_start, window_tokens = time.perf_counter(), 0
             if ckpt and cfg.run.checkpoint_every > 0 and (step + 1) % cfg.run.checkpoint_every == 0 and not last:
                 save(step + 1)
+            stop.check()
         save(end)
         summary.print(out_dir, ckpt)
         if cfg.run.sample_tokens > 0 and end > start:
             hooks.print_sample(cfg, run.model(state), source)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (a scheduler's stop)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (a scheduler's stop): see _StopRequests
         # the state after the last finished step: a checkpoint of it (and the one in flight), then stop
         done = start + len(losses) + len(pending)
         print(f"\njaxdist: interrupted; saving step {done}")
         save(done)
         raise
     finally:
-        restore_sigterm()
+        stop.close()
         guard.close()
         bar.close()
         log.close()
@@ -355,16 +356,31 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     return losses
 
 
-def _sigterm_as_interrupt():
-    """Make SIGTERM stop the run as Ctrl-C does (saving); returns the function that undoes it."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None  # signal handlers belong to the main thread
+class _StopRequests:
+    """SIGTERM (a scheduler's stop) and a first Ctrl-C ask the loop to stop at the next step boundary,
+    where it saves: an interrupt then never lands inside a checkpoint save. A second one interrupts
+    at once."""
 
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
+    def __init__(self):
+        self.requested = False
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handle)
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    return lambda: signal.signal(signal.SIGTERM, previous)
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\njaxdist: stopping after this step (again to stop at once)", file=sys.stderr, flush=True)
+
+    def check(self) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+
+    def close(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def _lines(path: Path) -> list[str]:
