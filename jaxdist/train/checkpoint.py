@@ -204,9 +204,16 @@ class Checkpoints:
         return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
 
     def restore_params(self, step: int) -> dict:
-        """The parameters saved at `step` as host arrays (for export: the whole model in this process)."""
-        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore()))
-        return jax.tree.map(np.asarray, restored.state["params"])
+        """Only the parameters saved at `step`, as host arrays (for export: the whole model in this process;
+        the optimizer state is not read). Keys of lists come back as strings ("0", "1", ...)."""
+        path = self.directory / str(step) / "state"
+        with ocp.PyTreeCheckpointer() as reader:
+            saved = reader.metadata(path).item_metadata.tree["params"]
+            as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
+            args = ocp.args.PyTreeRestore(
+                item={"params": saved}, restore_args={"params": as_numpy}, partial_restore=True
+            )
+            return reader.restore(path, args=args)["params"]
 
     def close(self) -> None:
         """Finish the save in flight, then release orbax's threads."""

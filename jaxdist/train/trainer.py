@@ -243,6 +243,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
         )
 
     model = GPT(mcfg, nnx.Rngs(cfg.run.seed))
+    if cfg.run.init_from:  # a resumed run reads its own checkpoint instead, below
+        from jaxdist.train.export import load_params
+
+        nnx.update(model, load_params(cfg.run.init_from, nnx.state(model, nnx.Param)))
     # host copies: every process passes the same values, which is what a multi-process jit needs
     nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))
     loader = hooks.Loader(source, cfg.data.batch_size, batch_sharding)
