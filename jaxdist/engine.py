@@ -456,11 +456,36 @@ class ParallelRun:
     # column layers are stored in another order along their tp dimension (`to_storage`).
 
     def canonical_shardings(self) -> TrainState:
-        """Where the canonical state lives: parameters and the optimizer state mirroring them sharded
-        exactly as stored (over tp and the storage axis), everything else replicated."""
-        s = self.state_shardings
+        """Where the canonical state lives: parameters and the optimizer state mirroring them sharded as
+        stored (over tp and the storage axis), except grouped columns (see `_canonical_spec`); everything
+        else replicated."""
         replicated = self._sharding(P())
-        return TrainState(s.params, s.opt_state, replicated, jax.tree.map(lambda _: replicated, self._model_avals()))
+        params = self.treedef.unflatten(
+            [
+                jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self._sharding(self._canonical_spec(leaf)))
+                for leaf in self.leaves
+            ]
+        )
+        opt = mirror_map(
+            jax.eval_shape(self.optimizer.init, params), params, lambda _, p: p.sharding, lambda _: replicated
+        )
+        model_state = jax.tree.map(lambda _: replicated, self._model_avals())
+        return TrainState(jax.tree.map(lambda p: p.sharding, params), opt, replicated, model_state)
+
+    def _canonical_spec(self, leaf: _Leaf) -> P:
+        """The storage spec, but a grouped column (fused q/k/v), stored in another order along its tp
+        dimension, is split along another dimension instead: the reorder is then local to each device
+        and the resharding an all-to-all (sharded along the tp dimension it would need whole copies)."""
+        spec = self._spec(leaf)
+        if leaf.groups == 1 or leaf.tp_dim is None:
+            return spec
+        axes = [a for part in spec if part is not None for a in (part if isinstance(part, tuple) else (part,))]
+        n = int(np.prod([self.cfg._size(a) for a in axes]))
+        others = [d for d, size in enumerate(leaf.shape) if d != leaf.tp_dim and size % n == 0]
+        if not others:
+            return spec  # e.g. a fused bias: one dimension, small
+        dim = max(others, key=lambda d: (leaf.shape[d], -d))
+        return P(*[(tuple(axes) if len(axes) > 1 else axes[0]) if d == dim else None for d in range(len(leaf.shape))])
 
     def _model_avals(self):
         return jax.eval_shape(self._canonical_model_state, self.initial_model_state)
