@@ -38,7 +38,14 @@ from jaxdist import comm
 from jaxdist._interleave import LAZY, Schedule, eval_interleaved, first_use_order
 from jaxdist._step import TrainState, local_batch_avals, sharded_step
 from jaxdist.buckets import DEFAULT_BUCKET_SIZE, BucketLayout, bucket_layout, pack_bucket, unpack_bucket
-from jaxdist.canonical import canonical_avals, check_canonical, resharding, split_largest_dim, with_shardings
+from jaxdist.canonical import (
+    canonical_avals,
+    check_canonical,
+    mirror_map,
+    resharding,
+    split_largest_dim,
+    with_shardings,
+)
 from jaxdist.model_state import ModelState, keep_if, split_for_training
 
 
@@ -224,13 +231,8 @@ class DDPRun:
         replicated = self._sharding(P())
         split = lambda a: split_largest_dim(a.shape, self.cfg.mesh, self.cfg.axis if self.cfg.zero1 else None)
         params = jax.tree.map(split, avals.params)
-        opt = optax.tree_utils.tree_map_params(
-            self.optimizer,
-            lambda _, s: s,
-            avals.opt_state,
-            params,
-            transform_non_params=lambda x: jax.tree.map(lambda _: replicated, x),
-        )
+        placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), avals.params, params)
+        opt = mirror_map(avals.opt_state, placed, lambda _, p: p.sharding, lambda _: replicated)
         return TrainState(params, opt, replicated, jax.tree.map(lambda _: replicated, avals.model_state))
 
     def _canonical_avals(self) -> TrainState:

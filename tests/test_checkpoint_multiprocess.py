@@ -9,19 +9,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from test_train import BASE as TRAIN_BASE
 
 from jaxdist.train import config as config_lib
 from jaxdist.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
-BASE = [
-    "model.flavor=tiny",
-    "data.batch_size=16",
-    "run.log_every=1",
-    "run.progress=false",
-    "optim.warmup_steps=2",
-    "optim.decay_steps=4",
-]
+BASE = [*TRAIN_BASE, "optim.decay_steps=4"]  # the schedule of the whole run also for the 2-step first part
 
 
 def test_two_process_checkpoint_resumes_in_one_process_on_another_layout(tmp_path):
