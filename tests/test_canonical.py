@@ -11,13 +11,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from layouts import LAYOUTS, batches, make_model
+from layouts import DATA, LAYOUTS, OPTIMIZER, SPLIT, batches, make_model
 from test_ddp import assert_params_close
 
 from jaxdist.train.gpt import next_token_loss
 
 STEPS = 3
-ADAM = optax.adamw(1e-2, weight_decay=0.1)
 SGD_MOMENTUM = optax.sgd(0.1, momentum=0.9)
 
 
@@ -57,25 +56,29 @@ def assert_opt_close(actual, expected):
 # every layout with AdamW; SGD-momentum (scale sensitive: a gradient summed instead of averaged, or a
 # moment in bucket order, shows) where the layout reorders; a masked AdamW (weight decay on matrices
 # only: masked optimizer states hold empty nodes) on plain DDP and the engine
-CASES = [(layout, "adamw") for layout in LAYOUTS] + [
+CASES = [(layout, "adamw-schedule") for layout in LAYOUTS] + [
     ("zero1-8", "sgd-momentum"),
     ("dp4xtp2", "sgd-momentum"),
     ("ddp8", "masked-adamw"),
     ("dp4xtp2", "masked-adamw"),
 ]
 OPTIMIZERS = {
-    "adamw": ADAM,
+    "adamw-schedule": OPTIMIZER,
     "sgd-momentum": SGD_MOMENTUM,
     "masked-adamw": optax.adamw(1e-2, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
 }
 
 
 @pytest.mark.parametrize(("layout", "optimizer"), CASES, ids=[f"{a}-{b}" for a, b in CASES])
-def test_canonical_state_is_the_single_device_state_and_round_trips_exactly(layout, optimizer):
+def test_canonical_state_is_the_single_device_state_and_round_trips_exactly(trained_layouts, layout, optimizer):
+    if optimizer == "adamw-schedule":  # the runs of tests/test_checkpoint_layouts.py, at their step 3
+        data, trained_layout = DATA[:SPLIT], trained_layouts(layout)
+        run, state, canonical = trained_layout.run, trained_layout.state_at_split, trained_layout.canonical_at_split
+    else:
+        data = batches(STEPS)
+        run, state = trained(layout, OPTIMIZERS[optimizer], data)
+        canonical = run.canonical(state)
     optimizer = OPTIMIZERS[optimizer]
-    data = batches(STEPS)
-    run, state = trained(layout, optimizer, data)
-    canonical = run.canonical(state)
     ref_params, ref_opt = single_device(optimizer, data)
     assert_params_close(canonical.params, ref_params)
     assert_opt_close(canonical.opt_state, ref_opt)
@@ -90,17 +93,16 @@ def test_canonical_state_is_the_single_device_state_and_round_trips_exactly(layo
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_zero1_canonical_state_holds_no_whole_parameter_on_a_device():
-    run, state = trained("zero1-8", ADAM, batches(1))
-    canonical = run.canonical(state)
+def test_zero1_canonical_state_holds_no_whole_parameter_on_a_device(trained_layouts):
+    canonical = trained_layouts("zero1-8").canonical_at_split
     embedding = canonical.params["wte"]["embedding"]
     assert embedding.addressable_shards[0].data.shape == (64 // 8, 32)
     assert canonical.opt_state[0].mu["wte"]["embedding"].addressable_shards[0].data.shape == (8, 32)
 
 
-def test_from_canonical_refuses_another_model_on_one_line():
-    run, state = trained("ddp8", ADAM, batches(1))
-    canonical = run.canonical(state)
+def test_from_canonical_refuses_another_model_on_one_line(trained_layouts):
+    run = trained_layouts("ddp8").run
+    canonical = jax.tree.map(lambda x: x, trained_layouts("ddp8").canonical_at_split)
     canonical.params["wte"]["embedding"] = canonical.params["wte"]["embedding"][:, :16]
     with pytest.raises(ValueError, match=r"from_canonical: \['params'\]|embedding.*expects"):
         run.from_canonical(canonical)

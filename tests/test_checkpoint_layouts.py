@@ -12,53 +12,16 @@ differ by float32 rounding (means of per-device means, partial products summed o
 
 import jax
 import numpy as np
-import optax
 import pytest
-from layouts import LAYOUTS, batches, make_model
+from layouts import DATA, SPLIT, Trained
 from test_ddp import assert_params_close
 
-from jaxdist.train.checkpoint import Checkpoints
-
-SPLIT, STEPS = 3, 6
 CHAIN = ["ddp8", "zero1-8", "fsdp8", "hsdp2x4", "dp4xtp2", "fsdp-tp2x2x2", "one"]
 PAIRS = [(a, b) for a, b in zip(CHAIN, CHAIN[1:] + CHAIN[:1], strict=True)]
 SAME = [("dp4xtp2", "dp4xtp2"), ("zero1-8", "zero1-8")]
-# a schedule, so a step count that did not survive shows in the learning rate
-OPTIMIZER = optax.adamw(optax.linear_schedule(1e-2, 1e-3, STEPS), weight_decay=0.1)
-DATA = batches(STEPS)
 
 
-class Layout:
-    """One layout's prepared run, its uninterrupted 6-step losses and parameters, and a checkpoint of step 3."""
-
-    def __init__(self, name: str, directory):
-        self.run = LAYOUTS[name](make_model(), OPTIMIZER, DATA[0])
-        self.ckpt = Checkpoints(directory, keep=1)
-        state, self.losses = self.run.state, []
-        for i, batch in enumerate(DATA):
-            state, metrics = self.run.step(state, batch)
-            self.losses.append(float(metrics["loss"]))
-            if i + 1 == SPLIT:
-                self.ckpt.save(SPLIT, self.run.canonical(state), {"layout": name})
-        self.ckpt.wait()
-        self.final = self.run.canonical(state).params
-
-
-@pytest.fixture(scope="module")
-def layouts(tmp_path_factory):
-    made = {}
-
-    def get(name: str) -> Layout:
-        if name not in made:
-            made[name] = Layout(name, tmp_path_factory.mktemp(name))
-        return made[name]
-
-    yield get
-    for layout in made.values():
-        layout.ckpt.close()
-
-
-def resumed(source: Layout, target: Layout, reset_optimizer: bool = False):
+def resumed(source: Trained, target: Trained, reset_optimizer: bool = False):
     run = target.run
     canonical = source.ckpt.restore(SPLIT, run.canonical_target())
     if reset_optimizer:
@@ -72,22 +35,22 @@ def resumed(source: Layout, target: Layout, reset_optimizer: bool = False):
 
 
 @pytest.mark.parametrize(("source", "target"), PAIRS, ids=[f"{a}->{b}" for a, b in PAIRS])
-def test_restore_onto_another_layout_continues_its_uninterrupted_run(layouts, source, target):
-    losses, params = resumed(layouts(source), layouts(target))
-    np.testing.assert_allclose(losses, layouts(target).losses[SPLIT:], rtol=1e-5)
-    assert_params_close(params, layouts(target).final)
+def test_restore_onto_another_layout_continues_its_uninterrupted_run(trained_layouts, source, target):
+    losses, params = resumed(trained_layouts(source), trained_layouts(target))
+    np.testing.assert_allclose(losses, trained_layouts(target).losses[SPLIT:], rtol=1e-5)
+    assert_params_close(params, trained_layouts(target).final)
 
 
 @pytest.mark.parametrize(("source", "target"), SAME, ids=[f"{a}->{b}" for a, b in SAME])
-def test_same_layout_resume_is_bit_exact(layouts, source, target):
-    losses, params = resumed(layouts(source), layouts(target))
-    assert losses == layouts(target).losses[SPLIT:]
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(layouts(target).final), strict=True):
+def test_same_layout_resume_is_bit_exact(trained_layouts, source, target):
+    losses, params = resumed(trained_layouts(source), trained_layouts(target))
+    assert losses == trained_layouts(target).losses[SPLIT:]
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(trained_layouts(target).final), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_a_restarted_optimizer_would_be_caught(layouts):
+def test_a_restarted_optimizer_would_be_caught(trained_layouts):
     """The comparison above can fail: the same restore with the Adam moments zeroed misses the reference."""
-    losses, _ = resumed(layouts("ddp8"), layouts("zero1-8"), reset_optimizer=True)
+    losses, _ = resumed(trained_layouts("ddp8"), trained_layouts("zero1-8"), reset_optimizer=True)
     with pytest.raises(AssertionError):
-        np.testing.assert_allclose(losses, layouts("zero1-8").losses[SPLIT:], rtol=1e-5)
+        np.testing.assert_allclose(losses, trained_layouts("zero1-8").losses[SPLIT:], rtol=1e-5)
