@@ -200,9 +200,10 @@ def test_dropout_masks_differ_per_rank_and_step_and_resume_exactly(dp_mesh, zero
     first = fresh()
     _, state = mask_step(first, first.state, 0)
     ckpt = Checkpoints(tmp_path, 1)
-    ckpt.save(1, state, first.params(state), {})
+    ckpt.save(1, first.canonical(state), {})
+    ckpt.wait()
     second = fresh()
-    state = ckpt.restore_state(1, second.state)
+    state = second.from_canonical(ckpt.restore(1, second.canonical_target()))
     ckpt.close()
     resumed = []
     for _ in range(2):
