@@ -207,6 +207,15 @@ class Checkpoints:
         """Only the parameters saved at `step`, as host arrays (for export: the whole model in this process;
         the optimizer state is not read). Keys of lists come back as strings ("0", "1", ...)."""
         path = self.directory / str(step) / "state"
+        absl_logger = logging.getLogger("absl")  # orbax warns that the item has no metadata of its own (the step has)
+        absl_logger.addFilter(self._quiet)
+        try:
+            return self._read_params(path)
+        finally:
+            absl_logger.removeFilter(self._quiet)
+
+    @staticmethod
+    def _read_params(path: Path) -> dict:
         with ocp.PyTreeCheckpointer() as reader:
             saved = reader.metadata(path).item_metadata.tree["params"]
             as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
