@@ -22,6 +22,8 @@ bench/RESULTS.md.
 
     python bench/strategies.py [--models 350m,1.3b] [--configs 1gpu,xla-fsdp,fsdp-nccl] [--steps 10]
     python bench/strategies.py --cpu --models tiny --steps 2   # dry run, 8 simulated CPU devices, not recorded
+
+`JAXDIST_BENCH_NCCL_BLOCKING=0` makes the nccl configurations' communicators non-blocking.
 """
 
 import os
@@ -53,6 +55,7 @@ from jaxdist.comm import nccl  # noqa: E402
 from jaxdist.ddp import DDP  # noqa: E402
 from jaxdist.engine import Parallel  # noqa: E402
 from jaxdist.fsdp import FSDP, Units  # noqa: E402
+from jaxdist.pipeline import Pipelined  # noqa: E402
 from jaxdist.train.gpt import FLAVORS, GPT, UNITS, embed_inputs, head_loss, next_token_loss, tp_plan_for  # noqa: E402
 from jaxdist.train.trainer import flops_per_token  # noqa: E402
 
@@ -68,7 +71,7 @@ def mesh_for(devices, shape: tuple, names: tuple, backend: str | None) -> Mesh:
     """A mesh over `devices`; with the nccl backend, also jaxdist's communicators for it."""
     mesh = Mesh(np.asarray(devices).reshape(shape), names, axis_types=(AxisType.Explicit,) * len(names))
     if backend == "nccl":
-        nccl.init(mesh)
+        nccl.init(mesh, blocking=os.environ.get("JAXDIST_BENCH_NCCL_BLOCKING", "1") != "0")
     return mesh
 
 
@@ -120,6 +123,21 @@ def engine_tp(data_axis: str, sequence_parallel: bool = False):
     return build
 
 
+def pipeline(schedule: str, virtual: int = 1):
+    def build(model, devices, batch_for, backend):
+        pp = len(devices)
+        if pp < 2:
+            raise ValueError("the pipeline needs 2+ GPUs")
+        mesh = mesh_for(devices, (pp,), ("pp",), backend)
+        batch = batch_for(mesh)
+        rows = batch["tokens"].shape[0]
+        m = 4 * pp if rows % (4 * pp) == 0 else pp
+        strategy = Pipelined(mesh, microbatches=m, schedule=schedule, virtual=virtual, backend=backend)
+        return strategy.prepare(model, optimizer(), UNITS, batch), batch
+
+    return build
+
+
 CONFIGS = {  # name: (builder, comm backend)
     "1gpu": (plain_jit, None),
     "xla-dp": (xla_auto("dp", None), None),
@@ -133,6 +151,8 @@ CONFIGS = {  # name: (builder, comm backend)
             ("dptp", engine_tp("dp")),
             ("dptpsp", engine_tp("dp", sequence_parallel=True)),
             ("fsdptp", engine_tp("fsdp")),
+            ("pp1f1b", pipeline("1f1b")),
+            ("ppinterleaved", pipeline("interleaved", virtual=2)),
         )
         for backend in ("xla", "nccl")
     },
@@ -146,8 +166,11 @@ def host_device() -> jax.Device:
         return jax.devices()[0]
 
 
-def measure(flavor: str, config: str, per_gpu_batch: int, steps: int) -> dict:
-    """Build one configuration in this process, time its steps and read its peak memory."""
+def measure(flavor: str, config: str, per_gpu_batch: int, steps: int, profile: str | None = None) -> dict:
+    """Build one configuration in this process, time its steps and read its peak memory.
+
+    With `profile` (a folder), also trace 3 more steps there, write the compiled program's HLO
+    beside it and print a per-op summary (bench/op_profile.py)."""
     builder, backend = CONFIGS[config]
     devices = jax.devices()
     on_gpu = devices[0].platform == "gpu"
@@ -155,7 +178,7 @@ def measure(flavor: str, config: str, per_gpu_batch: int, steps: int) -> dict:
     rng = np.random.default_rng(0)
 
     def batch_for(mesh):
-        data_axes = tuple(a for a in mesh.axis_names if a != "tp")
+        data_axes = tuple(a for a in mesh.axis_names if a not in ("tp", "pp"))
         tokens = rng.integers(0, cfg.vocab_size, (per_gpu_batch * mesh.size, cfg.seq_len + 1), dtype=np.int32)
         return {"tokens": jax.device_put(tokens, NamedSharding(mesh, P(data_axes)))}
 
@@ -179,6 +202,8 @@ def measure(flavor: str, config: str, per_gpu_batch: int, steps: int) -> dict:
         times.append(time.perf_counter() - t)
     used = list(batch["tokens"].sharding.device_set)
     stats = [d.memory_stats() for d in used]
+    if profile:
+        _profile(run, state, batch, profile, f"{flavor}-{config}")
     seconds = float(np.median(times))
     return {
         "device": devices[0].device_kind,
@@ -194,10 +219,31 @@ def measure(flavor: str, config: str, per_gpu_batch: int, steps: int) -> dict:
     }
 
 
+def _profile(run, state, batch, folder: str, name: str) -> None:
+    from op_profile import summarize
+
+    os.makedirs(folder, exist_ok=True)
+    try:
+        hlo = run.step.lower(state, batch).compile().as_text()
+    except Exception as e:  # noqa: BLE001 (the trace is still worth having)
+        hlo = f"could not lower: {e}"
+    with open(os.path.join(folder, f"{name}.hlo.txt"), "w") as f:
+        f.write(hlo)
+    trace = os.path.join(folder, name)
+    with jax.profiler.trace(trace):
+        for _ in range(3):
+            state, _ = run.step(state, batch)
+        jax.block_until_ready(state)
+    summary = summarize(trace, steps=3)
+    with open(os.path.join(folder, f"{name}.summary.txt"), "w") as f:
+        f.write(summary)
+    print(f"== {name}\n{summary}", file=sys.stderr, flush=True)
+
+
 def one(args) -> None:
     """The child: print one JSON line, the measurement or the error's first line."""
     try:
-        out = measure(args.models, args.one, args.per_gpu_batch, args.steps)
+        out = measure(args.models, args.one, args.per_gpu_batch, args.steps, args.profile)
     except Exception as e:  # noqa: BLE001 (any failure is a row of the table)
         lines = [line for line in str(e).splitlines() if line.strip()] or [""]
         out = {"error": f"{type(e).__name__}: {lines[0]}"[:200]}
@@ -208,6 +254,7 @@ def spawn(flavor: str, config: str, args) -> dict:
     """Run one configuration in its own process; a timeout or a crash becomes an error."""
     cmd = [sys.executable, os.path.abspath(__file__), "--one", config, "--models", flavor]
     cmd += ["--steps", str(args.steps), "--per-gpu-batch", str(args.per_gpu_batch)] + (["--cpu"] if args.cpu else [])
+    cmd += ["--profile", args.profile] if args.profile else []
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -261,6 +308,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300, help="seconds per configuration")
     ap.add_argument("--baseline", default="xla-fsdp", help="the configuration of the ratio column")
     ap.add_argument("--cpu", action="store_true", help="dry run on 8 simulated CPU devices (not recorded)")
+    ap.add_argument("--profile", help="a folder: trace 3 steps of each configuration there, with its HLO")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure this configuration, print JSON
     args = ap.parse_args()
     if args.one:
@@ -285,7 +333,8 @@ def main() -> None:
     out = header + "\n\n" + table(rows, args.baseline)
     print("\n" + out)
     if not args.cpu:
-        command = "python bench/strategies.py " + " ".join(sys.argv[1:])
+        nonblocking = "JAXDIST_BENCH_NCCL_BLOCKING=0 " if os.environ.get("JAXDIST_BENCH_NCCL_BLOCKING") == "0" else ""
+        command = nonblocking + "python bench/strategies.py " + " ".join(sys.argv[1:])
         append_result("Strategies on all GPUs: speed, MFU, memory", command, device, out)
 
 

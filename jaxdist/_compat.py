@@ -1,7 +1,8 @@
 """Small shims over JAX internals that moved between jax 0.10 and 0.12.
 
-Only what jaxdist needs: which mesh axes are manual (inside `shard_map`), and
-the StableHLO optimization barrier.
+Only what jaxdist needs: which mesh axes are manual (inside `shard_map`), which
+manual axes a value varies over (shard_map's `check_vma` types), and the
+StableHLO optimization barrier.
 """
 
 from __future__ import annotations
@@ -15,6 +16,21 @@ def manual_axes() -> tuple[str, ...]:
     if mesh is None or getattr(mesh, "empty", False):
         return ()
     return tuple(getattr(mesh, "manual_axes", ()))
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes `x` (an array, a tracer or an abstract value) varies over under
+    `shard_map(check_vma=True)` (empty otherwise).
+
+    jax 0.10 keeps them in the type's `mat.varying`; earlier versions called them `vma`.
+    """
+    aval = getattr(x, "aval", None)
+    if aval is None:
+        aval = x if hasattr(x, "mat") or hasattr(x, "vma") else jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
 
 
 def hlo_optimization_barrier(operands) -> list:

@@ -88,6 +88,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "jaxdist_set_timeout_ms": (None, [c.c_int64]),
         "jaxdist_set_debug_delay_us": (None, [c.c_int64]),
         "jaxdist_set_poll_mode": (None, [c.c_int]),
+        "jaxdist_poll_counts": (None, [c.POINTER(c.c_int64)]),
+        "jaxdist_poll_counts_reset": (None, []),
         "jaxdist_watchdog_start": (None, [c.c_int64]),
         "jaxdist_watchdog_stop": (None, []),
         "jaxdist_watchdog_check": (None, []),
@@ -102,6 +104,12 @@ def _declare(lib: ctypes.CDLL) -> None:
             [c.c_int64, c.c_int, c.c_int, c.c_int64, c.c_int, c.c_int, c.c_char_p, c.c_int],
         ),
     }
+    missing = [name for name in sig if not hasattr(lib, name)]
+    if missing:
+        raise NativeLibraryError(
+            f"jaxdist's FFI library {lib._name} is older than this jaxdist (it lacks {', '.join(missing)}); "
+            f"rebuild it (`pip install -e .`, or CMake on ffi/ and ${LIBRARY_ENV})"
+        )
     for name, (restype, argtypes) in sig.items():
         fn = getattr(lib, name)
         fn.restype = restype

@@ -41,6 +41,7 @@ from jaxdist import comm
 from jaxdist import tp as tp_math
 from jaxdist._pipeline import AsyncOp, check_buffers, kept, pipelined_loop
 from jaxdist._step import PlacedStep, TrainState, local_batch_avals
+from jaxdist._tp_grads import tp_summed
 from jaxdist.canonical import canonical_avals, check_canonical, mirror_map, with_shardings
 from jaxdist.model_state import ModelState, keep_if, training_copy
 from jaxdist.tp_plan import Binding, TPPlan, bind, from_storage, to_storage
@@ -129,18 +130,22 @@ class Parallel:
 
     def __post_init__(self):
         names = self.mesh.axis_names
-        known = {self.dp_axis, self.fsdp_axis, self.tp_axis}
-        unknown = [a for a in names if a not in known]
+        unknown = [a for a in names if a not in self._known_axes()]
         if unknown:
             raise ValueError(
                 f"Parallel: mesh axes {unknown} are none of dp_axis={self.dp_axis!r}, fsdp_axis={self.fsdp_axis!r}, "
-                f"tp_axis={self.tp_axis!r}; name the mesh axes after them or pass the names"
+                f"tp_axis={self.tp_axis!r}; name the mesh axes after them or pass the names (a pipeline axis: "
+                "jaxdist.pipeline.Pipelined)"
             )
         if self.tp > 1 and self.plan is None:
             raise ValueError(f"Parallel: the {self.tp_axis!r} axis has size {self.tp}; pass plan=TPPlan(...)")
         check_buffers("Parallel", self.buffers, self.prefetch)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("Parallel: sequence_parallel needs a tp axis of size > 1")
+
+    def _known_axes(self) -> tuple[str, ...]:
+        """The mesh axes these options place work on (a subclass adding an axis extends it)."""
+        return (self.dp_axis, self.fsdp_axis, self.tp_axis)
 
     def _size(self, axis: str) -> int:
         return self.mesh.shape[axis] if axis in self.mesh.axis_names else 1
@@ -151,14 +156,16 @@ class Parallel:
 
     @property
     def data_axes(self) -> tuple[str, ...]:
-        return tuple(a for a in (self.dp_axis, self.fsdp_axis) if a in self.mesh.axis_names)
+        """The data axes of size > 1 (an axis of size 1 would only add no-op collectives and the
+        packing of their buffers to every step)."""
+        return tuple(a for a in (self.dp_axis, self.fsdp_axis) if self._size(a) > 1)
 
     @property
     def storage_axis(self) -> str | None:
         """The data axis parameters are sharded over: fsdp (ZeRO-3), else dp with zero1, else none."""
-        if self.fsdp_axis in self.mesh.axis_names:
+        if self.fsdp_axis in self.data_axes:
             return self.fsdp_axis
-        if self.zero1 and self.dp_axis in self.mesh.axis_names:
+        if self.zero1 and self.dp_axis in self.data_axes:
             return self.dp_axis
         return None
 
@@ -255,6 +262,7 @@ class ParallelRun:
         self.embed_leaves = [k for k in outer if k in read_by_embed]
         self.head_leaves = [k for k in outer if k in read_by_head or k not in read_by_embed]
         self.tied = [k for k in self.embed_leaves if k in self.head_leaves]
+        self.tp_sums = self._decide_tp_sums(x_aval) if cfg.tp > 1 else {}
         self.state = self._init_state(pure)
         self.step = PlacedStep(self._step, self._sharding(self._batch_spec()))
 
@@ -543,25 +551,75 @@ class ParallelRun:
 
     # -- units as functions of their local parameter pieces ----------------------------
 
+    _trace_backend: str | None = None  # set while `_decide_tp_sums` traces
+
     def _binding(self) -> Binding:
         cfg = self.cfg
-        return Binding(cfg.tp_axis, cfg.tp, cfg.backend, cfg.sequence_parallel)
+        return Binding(cfg.tp_axis, cfg.tp, self._trace_backend or cfg.backend, cfg.sequence_parallel)
 
     def _bound(self, module, prefix=()):
         if self.cfg.plan is not None and self.cfg.tp > 1:
             bind(module, self.cfg.plan, self._binding(), prefix)
         return module
 
-    def _seq_local(self, ws: dict) -> dict:
-        """Under sequence parallelism a replicated parameter acts on this rank's chunk of the
-        sequence, so its gradient is partial: sum it over tp in backward."""
-        if not self.cfg.sequence_parallel:
-            return ws
+    def _decide_tp_sums(self, x_aval) -> dict:
+        """Per unit ("embed", "head", block i), the replicated parameters whose gradient is summed over
+        tp: those acting on values that differ per tp rank (`jaxdist._tp_grads`, from JAX's types)."""
+        cfg, units, state = self.cfg, self.units, self.initial_model_state
+        shape = list(x_aval.shape)
+        if cfg.sequence_parallel:
+            shape[1] //= cfg.tp
+        x = jax.ShapeDtypeStruct(tuple(shape), x_aval.dtype)
+        names = {k: leaf.name for k, leaf in enumerate(self.leaves)}
+
+        def decide(unit, ks, x, stored, who, *, layer=False, out_may_vary=False):
+            skip = 1 if layer else 0  # one layer of a stacked leaf
+            ws = {k: jax.ShapeDtypeStruct(self.leaves[k].local[skip:], self.leaves[k].dtype) for k in ks}
+            split = frozenset(k for k in ks if self.leaves[k].tp_dim is not None)
+            return tp_summed(
+                unit,
+                ws,
+                x,
+                (self.local_batch, stored),
+                mesh=self.mesh,
+                axis=cfg.tp_axis,
+                split=split,
+                x_varies=cfg.sequence_parallel,
+                out_may_vary=out_may_vary,
+                names=names,
+                who=who,
+            )
+
+        self._trace_backend = "xla"  # the type trace is never compiled; jax.lax collectives carry the types
+        try:
+            embed = lambda ws, _, e: self._outer_apply(ws, e[1], lambda m: units.embed(m, e[0]))[0]
+            head = lambda ws, x, e: self._head(ws, x, e[0], e[1], summed=False)[0]
+            sums = {
+                "embed": decide(embed, self.embed_leaves, None, state["outer"], "the embed"),
+                "head": decide(head, self.head_leaves, x, state["outer"], "the head"),
+            }
+            seen = {}  # blocks of one definition and piece shapes run one program: trace it once
+            for i in range(self.n_blocks):
+                ks = self.block_leaves[i]
+                same = (self.block_defs[i], tuple((self.leaves[k].local, self.leaves[k].tp_dim) for k in ks))
+                if same not in seen:
+                    stored = state["blocks"][i] if self.block_states is not None else None
+                    block = lambda ws, x, e, i=i: self._block(i, ws, x, e[0], e[1], summed=False)[0]
+                    summed = decide(
+                        block, ks, x, stored, f"block {i}", layer=units.stacked, out_may_vary=cfg.sequence_parallel
+                    )
+                    seen[same] = (ks, summed)
+                first, summed = seen[same]
+                sums[i] = frozenset(k for k, k0 in zip(ks, first, strict=True) if k0 in summed)
+        finally:
+            self._trace_backend = None
+        return sums
+
+    def _summed(self, ws: dict, unit) -> dict:
+        """The unit's pieces, those of `tp_sums[unit]` with their gradient summed over tp in backward."""
+        summed = self.tp_sums.get(unit, ())
         cfg = self.cfg
-        return {
-            k: tp_math.copy_to_tp(w, cfg.tp_axis, cfg.backend) if self.leaves[k].tp_dim is None else w
-            for k, w in ws.items()
-        }
+        return {k: tp_math.copy_to_tp(w, cfg.tp_axis, cfg.backend) if k in summed else w for k, w in ws.items()}
 
     def _outer_apply(self, ws: dict, stored, fn, bound: bool = True):
         """`fn(model)` on the model holding the given outer pieces, zeros elsewhere (never read; XLA
@@ -574,22 +632,24 @@ class ParallelRun:
         return self.outer_state.apply(self.graphdef, self.treedef.unflatten(xs), stored, run, fixed=self.blocks_fixed)
 
     def _embed(self, ws, batch, stored):
-        x, after = self._outer_apply(ws, stored, lambda m: self.units.embed(m, batch))
+        x, after = self._outer_apply(self._summed(ws, "embed"), stored, lambda m: self.units.embed(m, batch))
         if self.cfg.sequence_parallel:
             x = tp_math.split_sequence(x, self.cfg.tp_axis, self.cfg.backend)
         return x, after
 
-    def _head(self, ws, x, batch, stored):
-        """`(total, (count or None, aux or None, the outer variables after))` of the head's loss."""
+    def _head(self, ws, x, batch, stored, summed: bool = True):
+        """`(total, (count or None, aux or None, the outer variables after))` of the head's loss;
+        `summed=False` leaves out the gradient sums over tp (`_summed`)."""
         units = self.units
-        out, after = self._outer_apply(self._seq_local(ws), stored, lambda m: units.head_loss(m, x, batch))
+        ws = self._summed(ws, "head") if summed else ws
+        out, after = self._outer_apply(ws, stored, lambda m: units.head_loss(m, x, batch))
         loss, aux = out if units.has_aux else (out, None)
         total, count = loss if units.sum_and_count else (loss, None)
         return total, (count, aux, after)
 
-    def _block(self, i: int, ws: dict, x, batch, stored):
+    def _block(self, i: int, ws: dict, x, batch, stored, summed: bool = True):
         """Block i on its pieces and its variables `stored`: `(y, its variables after)`."""
-        ws = self._seq_local(ws)
+        ws = self._summed(ws, i) if summed else ws
         pure = self.block_trees[i].unflatten([ws[k] for k in self.block_leaves[i]])
         call = self.units.block_call
         run = lambda block: self._block_call(i, self._bound(block, self._block_prefix(i)), x, batch, call)
@@ -718,6 +778,8 @@ class ParallelRun:
             mesh=self.mesh,
             in_specs=(specs, P(), P(), batch_spec),
             out_specs=(specs, P(), metrics_spec),
+            # the rank's program as written: its data-axis reductions are explicit, and the sums over tp
+            # that JAX's types would add are decided at prepare (`_decide_tp_sums`)
             check_vma=False,
         )
         grads, model_state, metrics = body(state.params, state.model_state, state.step, batch)
@@ -762,12 +824,18 @@ class ParallelRun:
             fn = lambda w, x: self._block(i, w, x, batch, blocks_in[i] if blocks_in else None)
             return jax.checkpoint(fn) if cfg.remat else fn
 
+        saved_vjp = []
+
         def forward(i, w, x):
             saved_x.append(x)
             saved_w.append(w)  # dropped by XLA when backward gathers again
             if cfg.record_weights:
                 used.append(self._weight_sum(w))
-            y, after = block_fn(i)(w, x)
+            if cfg.regather:  # backward recomputes on re-gathered weights: keep no residual of them
+                y, after = block_fn(i)(w, x)
+            else:  # weights kept for backward anyway: keep the residuals too, as plain autodiff does
+                y, vjp, after = jax.vjp(block_fn(i), w, x, has_aux=True)
+                saved_vjp.append(vjp)
             blocks_out.append(after)
             return y, None, None
 
@@ -797,8 +865,10 @@ class ParallelRun:
 
         # backward: block i-1 fetched and block i+1's gradients reduced while block i computes
         def backward(i, w, dx):
-            # the same inputs and variables as forward: the same dropout masks (and XLA shares the work)
-            _, vjp, _ = jax.vjp(block_fn(i), w, saved_x[i], has_aux=True)
+            if cfg.regather:  # the same inputs and variables as forward: the same dropout masks
+                _, vjp, _ = jax.vjp(block_fn(i), w, saved_x[i], has_aux=True)
+            else:
+                vjp = saved_vjp[i]
             dw, dx_in = vjp(dx)
             return dx_in, dw, None
 

@@ -19,19 +19,35 @@ import jax
 import jax.numpy as jnp
 
 from jaxdist import comm
+from jaxdist._compat import varying_axes
+
+# The name scope of every collective these layers issue in backward. Under `shard_map(check_vma=True)`
+# JAX sums a gradient over an axis wherever a value invariant over it met a varying one; the sums
+# these layers make themselves carry this scope, so `jaxdist._tp_grads` can tell JAX's from ours.
+SCOPE = "jaxdist_tp"
 
 
 def _reduce(x, axis, backend):
     return comm.all_reduce(x, axis, comm.token("tp"), op="sum", backend=backend)[0]
 
 
+def _vary(x, axis):
+    """Type `x` as varying over `axis` under check_vma (the identity without it: no communication)."""
+    return x if axis in varying_axes(x) else jax.lax.pcast(x, axis, to="varying")
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def copy_to_tp(x, axis: str, backend: str | None = None):
     """Identity in forward; sums the gradient over `axis` in backward (Megatron's f)."""
-    return x
+    return _vary(x, axis)
 
 
-copy_to_tp.defvjp(lambda x, axis, backend: (x, None), lambda axis, backend, _, g: (_reduce(g, axis, backend),))
+def _copy_bwd(axis, backend, _, g):
+    with jax.named_scope(SCOPE):
+        return (_reduce(g, axis, backend),)
+
+
+copy_to_tp.defvjp(lambda x, axis, backend: (_vary(x, axis), None), _copy_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -40,7 +56,9 @@ def reduce_from_tp(x, axis: str, backend: str | None = None):
     return _reduce(x, axis, backend)
 
 
-reduce_from_tp.defvjp(lambda x, axis, backend: (_reduce(x, axis, backend), None), lambda axis, backend, _, g: (g,))
+reduce_from_tp.defvjp(
+    lambda x, axis, backend: (_reduce(x, axis, backend), None), lambda axis, backend, _, g: (_vary(g, axis),)
+)
 
 
 def _gather_seq(x, axis, backend):
@@ -51,16 +69,33 @@ def _scatter_seq(x, axis, backend):
     return comm.reduce_scatter(x, axis, comm.token("tp"), op="sum", scatter_axis=1, backend=backend)[0]
 
 
+def gather_whole(x, axis: str, dim: int, backend: str | None = None):
+    """All-gather dimension `dim` over `axis` into a value every rank holds whole.
+
+    Under check_vma the result is typed invariant over `axis` (what it is; `comm.all_gather` follows
+    `lax.all_gather`, typed varying), made as a sum of zero-padded pieces: that runs only in
+    `jaxdist._tp_grads`'s type trace, which is never compiled. Otherwise it is `comm.all_gather`.
+    """
+    if axis not in varying_axes(x):
+        return comm.all_gather(x, axis, comm.token("tp"), axis=dim, backend=backend)[0]
+    n = x.shape[dim]
+    shape = (*x.shape[:dim], n * jax.lax.axis_size(axis), *x.shape[dim + 1 :])
+    placed = jax.lax.dynamic_update_slice_in_dim(jnp.zeros(shape, x.dtype), x, jax.lax.axis_index(axis) * n, dim)
+    return jax.lax.psum(placed, axis)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def gather_sequence(x, axis: str, backend: str | None = None):
     """Sequence parallelism: all-gather the sequence dim (1) in forward, reduce-scatter it in backward."""
     return _gather_seq(x, axis, backend)
 
 
-gather_sequence.defvjp(
-    lambda x, axis, backend: (_gather_seq(x, axis, backend), None),
-    lambda axis, backend, _, g: (_scatter_seq(g, axis, backend),),
-)
+def _gather_seq_bwd(axis, backend, _, g):
+    with jax.named_scope(SCOPE):
+        return (_scatter_seq(g, axis, backend),)
+
+
+gather_sequence.defvjp(lambda x, axis, backend: (_gather_seq(x, axis, backend), None), _gather_seq_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -69,10 +104,12 @@ def scatter_sequence(x, axis: str, backend: str | None = None):
     return _scatter_seq(x, axis, backend)
 
 
-scatter_sequence.defvjp(
-    lambda x, axis, backend: (_scatter_seq(x, axis, backend), None),
-    lambda axis, backend, _, g: (_gather_seq(g, axis, backend),),
-)
+def _scatter_seq_bwd(axis, backend, _, g):
+    with jax.named_scope(SCOPE):
+        return (_gather_seq(g, axis, backend),)
+
+
+scatter_sequence.defvjp(lambda x, axis, backend: (_scatter_seq(x, axis, backend), None), _scatter_seq_bwd)
 
 
 def column_linear(x, kernel, bias=None):
@@ -139,10 +176,12 @@ def split_sequence(x, axis: str, backend: str | None = None):
     return _split_seq(x, axis)
 
 
-split_sequence.defvjp(
-    lambda x, axis, backend: (_split_seq(x, axis), None),
-    lambda axis, backend, _, g: (_gather_seq(g, axis, backend),),
-)
+def _split_seq_bwd(axis, backend, _, g):
+    with jax.named_scope(SCOPE):
+        return (gather_whole(g, axis, 1, backend),)
+
+
+split_sequence.defvjp(lambda x, axis, backend: (_split_seq(x, axis), None), _split_seq_bwd)
 
 
 # -- Flax NNX layers over the same math ------------------------------------------------

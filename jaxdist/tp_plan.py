@@ -417,12 +417,6 @@ def bind(module: nnx.Module, plan: TPPlan, binding: Binding, prefix: tuple = ())
         sub.__class__ = _bound_class(type(sub), placement.kind)
 
 
-def _gather_last(x, axis, backend):
-    from jaxdist import comm
-
-    return comm.all_gather(x, axis, comm.token("tp"), axis=x.ndim - 1, backend=backend)[0]
-
-
 def _local_last(g, axis):
     n = g.shape[-1] // jax.lax.psum(1, axis)
     return jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(axis) * n, n, axis=g.ndim - 1)
@@ -432,9 +426,10 @@ def _local_last(g, axis):
 def gather_features(x, axis: str, backend: str | None = None):
     """All-gather the last dimension over `axis` in forward; in backward every rank holds the
     whole (identical) gradient, so each keeps its own slice (Megatron's gather_output)."""
-    return _gather_last(x, axis, backend)
+    return tp_math.gather_whole(x, axis, x.ndim - 1, backend)
 
 
 gather_features.defvjp(
-    lambda x, axis, backend: (_gather_last(x, axis, backend), None), lambda axis, backend, _, g: (_local_last(g, axis),)
+    lambda x, axis, backend: (tp_math.gather_whole(x, axis, x.ndim - 1, backend), None),
+    lambda axis, backend, _, g: (_local_last(g, axis),),
 )

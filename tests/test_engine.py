@@ -305,7 +305,7 @@ def test_tp_runs_the_models_own_forward_in_its_dtype():
 def test_vocab_parallel_logits_are_read_only_by_the_vocab_parallel_loss():
     """A head bound with loss_parallel leaves each rank one slice of the logits: a loss that reads
     them otherwise (optax directly, or a z-loss beside the cross-entropy) would be silently wrong,
-    so tracing the step raises instead."""
+    so `prepare` (which traces the head) raises instead."""
     mesh = cpu_mesh((4, 2), ("dp", "tp"))
     labels = lambda batch: batch["tokens"][:, 1:]
 
@@ -320,9 +320,8 @@ def test_vocab_parallel_logits_are_read_only_by_the_vocab_parallel_loss():
     for head_loss in (optax_head_loss, z_loss_head):
         units = dataclasses.replace(UNITS, head_loss=head_loss)
         model = GPT(GPT_CFG, nnx.Rngs(0))
-        run = Parallel(mesh, plan=tp_plan_for(GPT_CFG)).prepare(model, adamw(), units, gpt_batches(1)[0])
         with pytest.raises(ValueError, match="only jaxdist.tp_plan.cross_entropy"):
-            run.step(run.state, gpt_batches(1)[0])
+            Parallel(mesh, plan=tp_plan_for(GPT_CFG)).prepare(model, adamw(), units, gpt_batches(1)[0])
 
 
 def test_bad_plans_and_meshes_raise_clear_errors():

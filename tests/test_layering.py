@@ -24,13 +24,16 @@ LAYERS = {
     "jaxdist.tp": 2,
     "jaxdist._pipeline": 3,
     "jaxdist._interleave": 3,
+    "jaxdist.pipeline_schedule": 3,
     "jaxdist._step": 4,
     "jaxdist.model_state": 4,
     "jaxdist.canonical": 4,
     "jaxdist.tp_plan": 4,
+    "jaxdist._tp_grads": 4,
     "jaxdist.ddp": 5,
     "jaxdist.fsdp": 5,
     "jaxdist.engine": 5,
+    "jaxdist.pipeline": 5,
     "jaxdist.train": 6,
 }
 

@@ -144,6 +144,26 @@ def test_two_rank_grouped_send_recv(blocking):
 
 
 @pytest.mark.multigpu
+@pytest.mark.parametrize("poll", ["local", "yield", "spin"])
+def test_every_poll_mode_gives_the_xla_backends_results_on_a_nonblocking_communicator(poll):
+    # the poll mode changes where NCCL's group thread runs and how it is waited for, never the data
+    from jaxdist.comm import nccl
+
+    n = len(_gpus())
+    axis = f"poll_{poll}"
+    mesh = _mesh(n, axis)
+    nccl.init(mesh, blocking=False)
+    x = jnp.asarray(np.random.default_rng(3).integers(0, 9, size=(n, 8 * n, 3)), dtype=jnp.float32)
+    nccl.set_poll_mode(poll)
+    try:
+        got, want = _both_backends(mesh, axis, x, _all_ops_body(axis, n, False))
+    finally:
+        nccl.set_poll_mode("local")
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.multigpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_every_collective_across_ranks_matches_the_xla_backend(dtype):
     from jaxdist.comm import nccl

@@ -54,6 +54,31 @@ def test_each_op_is_issued_inside_its_own_group_then_polled(runs, op, calls, mod
 
 
 @pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+def test_each_pipeline_tick_of_a_rank_is_one_group_lone_sends_and_receives_too(runs, mode):
+    """A 1F1B table (pp=4, 4 micro-batches) issued tick by tick: every rank that communicates in a
+    tick issues its send and its receive in one group; a warm-up tick's lone send and a cool-down
+    tick's lone receive are grouped as well (seed 003)."""
+    ticks = runs[f"pipeline_{mode}"]["ticks"]
+    poll = ["CommGetAsyncError -> Success"] if mode == "nonblocking" else []
+    kinds = set()
+    for t, per_rank in enumerate(ticks):
+        for rank, log in per_rank.items():
+            calls = log[1 : log.index("GroupEnd")]
+            assert log == ["GroupStart", *calls, "GroupEnd", *poll], (t, rank, log)
+            assert 1 <= len(calls) <= 2 and all(c.split()[0] in ("Send", "Recv") for c in calls), (t, rank)
+            kinds.add(tuple(c.split()[0] for c in calls))
+    assert ticks[0] == {
+        "0": ["GroupStart", "Send peer=1 count=16", "GroupEnd", *poll],
+        "1": ["GroupStart", "Recv peer=0 count=16", "GroupEnd", *poll],
+    }  # warm-up
+    assert ticks[-2] == {
+        "1": ["GroupStart", "Send peer=0 count=16", "GroupEnd", *poll],
+        "0": ["GroupStart", "Recv peer=1 count=16", "GroupEnd", *poll],
+    }  # cool-down
+    assert kinds == {("Send",), ("Recv",), ("Send", "Recv")}
+
+
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
 def test_init_of_several_local_ranks_is_grouped_and_polled(runs, mode):
     log = runs[f"init_{mode}"]["log"]
     b = int(mode == "blocking")
@@ -141,3 +166,47 @@ def test_the_nccl_backend_without_gpus_says_to_use_xla():
     )
     with pytest.raises(RuntimeError, match="needs CUDA GPUs.*backend='xla'"):
         jax.jit(f).lower(jax.ShapeDtypeStruct((8,), jnp.float32, sharding=jax.NamedSharding(mesh, jax.P("x"))))
+
+
+def test_local_poll_mode_busy_polls_a_short_wait_then_yields(runs):
+    # the first 8 in-progress answers are busy-polled (no yield, no sleep); later ones yield
+    # the CPU, where NCCL's group thread waits to run
+    short, longer = runs["poll_local_5_in_progress"], runs["poll_local_20_in_progress"]
+    assert short["error"] is None and longer["error"] is None
+    assert short["log"].count("CommGetAsyncError -> InProgress") == 5
+    assert short["counts"] == {"yields": 0, "sleeps": 0}
+    assert longer["counts"] == {"yields": 20 - 8, "sleeps": 0}
+
+
+def test_yield_poll_mode_yields_between_polls(runs):
+    r = runs["poll_yield_20_in_progress"]
+    assert r["error"] is None and r["counts"] == {"yields": 20, "sleeps": 0}
+
+
+def test_local_poll_mode_starts_nccls_group_thread_on_the_issuing_cpu(runs):
+    # NCCL starts a thread per non-blocking group end; started on an idle core it waits
+    # for that core to wake (issue 15: 70-89 us per op), started here it runs as we yield
+    local, other = runs["group_thread_local"], runs["group_thread_yield"]
+    assert local["log"][-2:] == ["GroupEnd", "CommGetAsyncError -> Success"]  # polled until NCCL's thread is done
+    assert local["thread_cpus"] == 1
+    assert local["caller_cpus_after"] == local["caller_cpus_before"]  # the caller's affinity is restored
+    assert other["thread_cpus"] == len(other["caller_cpus_before"])  # the other modes leave it alone
+
+
+def test_a_poll_held_inside_nccl_does_not_hold_up_another_devices_communicator(runs):
+    # one process driving two GPUs polls both communicators from two threads; a poll can
+    # sit inside ncclCommGetAsyncError (joining NCCL's group thread): the other goes on
+    r = runs["independent_polls"]
+    assert r["held_entered"]
+    assert r["other_finished_while_held"], "the second communicator waited for the first one's poll"
+    assert r["both_finished"]
+
+
+def test_an_ffi_library_older_than_the_python_side_gives_a_clear_error():
+    # a library that lacks entry points (here: the fake libnccl, which has none) says to rebuild
+    code = "import jaxdist._native as n; n.ffi_library()"
+    env = {**os.environ, "JAXDIST_FFI_LIBRARY": str(FAKE)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert "NativeLibraryError" in last and "is older than this jaxdist" in last and "rebuild it" in last

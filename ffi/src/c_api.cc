@@ -173,6 +173,13 @@ int64_t jaxdist_flight_record(int with_ops, char* out, int64_t len) {
 }
 void jaxdist_set_debug_delay_us(int64_t us) { SetDebugDelayUs(us); }
 void jaxdist_set_poll_mode(int mode) { SetPollMode(mode); }
+// How often polls yielded and slept since the last reset: out[0] yields, out[1] sleeps.
+void jaxdist_poll_counts(int64_t* out) {
+  PollCounts c = GetPollCounts();
+  out[0] = c.yields;
+  out[1] = c.sleeps;
+}
+void jaxdist_poll_counts_reset() { ResetPollCounts(); }
 
 // The protocol without a GPU: issue `kind` on the communicator of (key,
 // device) with no stream and no data, exactly as a handler would. For tests

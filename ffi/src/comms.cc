@@ -15,7 +15,9 @@ namespace {
 
 std::atomic<int64_t> timeout_ms{300000};
 std::atomic<int64_t> debug_delay_us{0};
-std::atomic<int> poll_mode{0};
+std::atomic<int> poll_mode{static_cast<int>(PollMode::kLocal)};
+std::atomic<int64_t> poll_yields{0};
+std::atomic<int64_t> poll_sleeps{0};
 
 std::mutex registry_mutex;
 std::map<int64_t, std::map<int, std::unique_ptr<Comm>>> registry;
@@ -27,6 +29,12 @@ int64_t TimeoutMs() { return timeout_ms; }
 void SetDebugDelayUs(int64_t us) { debug_delay_us = us; }
 int64_t DebugDelayUs() { return debug_delay_us; }
 void SetPollMode(int mode) { poll_mode = mode; }
+PollMode GetPollMode() { return static_cast<PollMode>(poll_mode.load(std::memory_order_relaxed)); }
+PollCounts GetPollCounts() { return {poll_yields.load(), poll_sleeps.load()}; }
+void ResetPollCounts() {
+  poll_yields = 0;
+  poll_sleeps = 0;
+}
 
 const char* OpName(OpKind kind) {
   switch (kind) {
@@ -48,10 +56,9 @@ std::string Describe(const NcclApi& nccl, const Comm& comm, const char* op, nccl
   return msg;
 }
 
-static std::mutex abort_mutex;  // the handler thread and the watchdog may abort at once
-
 std::string Abort(const NcclApi& nccl, Comm& comm, const std::string& msg) {
-  std::lock_guard<std::mutex> lock(abort_mutex);
+  // The handler thread and the watchdog may abort at once.
+  std::lock_guard<std::mutex> lock(comm.mu);
   if (comm.aborted) return comm.failure;
   if (comm.comm != nullptr) nccl.CommAbort(comm.comm);
   comm.failure = msg;
@@ -61,6 +68,14 @@ std::string Abort(const NcclApi& nccl, Comm& comm, const std::string& msg) {
 
 static std::string AbortWith(const NcclApi& nccl, Comm& comm, std::string msg) {
   return Abort(nccl, comm, msg + "; the communicator was aborted");
+}
+
+static inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
 }
 
 std::string Poll(const NcclApi& nccl, Comm& comm, const char* op, ncclResult_t issued) {
@@ -75,16 +90,19 @@ std::string Poll(const NcclApi& nccl, Comm& comm, const char* op, ncclResult_t i
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   const auto deadline = start + std::chrono::milliseconds(TimeoutMs());
-  // Yield-spin for the first 500 us: a healthy enqueue finishes in tens of
-  // microseconds, and sleep_for rounds up to the timer slack (~50 us). Then
-  // sleep with back-off so a slow peer burns no CPU.
+  const PollMode mode = GetPollMode();
+  // A non-blocking ncclGroupEnd hands the launch to a thread of NCCL's own, which
+  // finishes in tens of microseconds when healthy. In the first 500 us the poller
+  // busy-polls or yields (mode): sleep_for would round up to the timer slack
+  // (~50 us), and busy-polling for long keeps NCCL's thread off a shared CPU. Then
+  // it sleeps with back-off so a slow peer burns no CPU.
   auto nap = std::chrono::microseconds(20);
-  for (;;) {
+  for (int polls = 1;; ++polls) {
     ncclResult_t state = ncclInProgress;
     ncclResult_t r;
     {
       // The watchdog thread may abort (and NCCL free) the communicator at any time.
-      std::lock_guard<std::mutex> lock(abort_mutex);
+      std::lock_guard<std::mutex> lock(comm.mu);
       if (comm.aborted) return comm.failure;
       r = nccl.CommGetAsyncError(comm.comm, &state);
     }
@@ -98,9 +116,17 @@ std::string Poll(const NcclApi& nccl, Comm& comm, const char* op, ncclResult_t i
                                 "still in progress after the " + std::to_string(TimeoutMs()) +
                                     " ms deadline (set JAXDIST_NCCL_TIMEOUT_S to change it)"));
     }
-    if (now - start < std::chrono::microseconds(500)) {
-      if (poll_mode.load(std::memory_order_relaxed) == 0) sched_yield();  // mode 1: pure busy spin
+    const auto waited = now - start;
+    if (waited < std::chrono::microseconds(500)) {
+      const bool spin = mode == PollMode::kSpin || (mode == PollMode::kLocal && polls <= kSpinPolls);
+      if (spin) {
+        CpuRelax();
+      } else {
+        poll_yields.fetch_add(1, std::memory_order_relaxed);
+        sched_yield();
+      }
     } else {
+      poll_sleeps.fetch_add(1, std::memory_order_relaxed);
       std::this_thread::sleep_for(nap);
       nap = std::min(nap * 2, std::chrono::microseconds(1000));
     }
@@ -117,6 +143,41 @@ std::string EnsureReady(const NcclApi& nccl, Comm& comm, const char* op) {
 
 static std::string IssueUnrecorded(const NcclApi& nccl, Comm& comm, const OpDesc& op, cudaStream_t stream,
                                    bool grouped);
+
+namespace {
+// Restricts the calling thread to the CPU it runs on for its lifetime, then
+// restores its affinity. A thread created meanwhile (NCCL's group thread)
+// inherits the one-CPU mask and keeps it. Does nothing where the masks cannot be read or set.
+// NCCL 2.28 starts its long-lived threads (proxy service and progress, RAS, socket
+// helpers) at init or from those threads, never from the group thread; only the
+// group's short-lived connection jobs (first use of a peer or algorithm) inherit the mask.
+class PinToThisCpu {
+ public:
+  PinToThisCpu() {
+    const int cpu = sched_getcpu();
+    if (cpu < 0 || cpu >= CPU_SETSIZE || sched_getaffinity(0, sizeof(saved_), &saved_) != 0) return;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    pinned_ = sched_setaffinity(0, sizeof(one), &one) == 0;
+  }
+  ~PinToThisCpu() {
+    if (pinned_) sched_setaffinity(0, sizeof(saved_), &saved_);
+  }
+  PinToThisCpu(const PinToThisCpu&) = delete;
+  PinToThisCpu& operator=(const PinToThisCpu&) = delete;
+
+ private:
+  cpu_set_t saved_;
+  bool pinned_ = false;
+};
+
+ncclResult_t GroupEnd(const NcclApi& nccl, const Comm& comm) {
+  if (comm.blocking || GetPollMode() != PollMode::kLocal) return nccl.GroupEnd();
+  PinToThisCpu pin;
+  return nccl.GroupEnd();
+}
+}  // namespace
 
 std::string Issue(const NcclApi& nccl, Comm& comm, const OpDesc& op, cudaStream_t stream, bool grouped) {
   const char* name = OpName(op.kind);
@@ -176,7 +237,7 @@ static std::string IssueUnrecorded(const NcclApi& nccl, Comm& comm, const OpDesc
       break;
   }
   // The group is always closed, also after a failed call, so NCCL's group state stays balanced.
-  r = nccl.GroupEnd();
+  r = GroupEnd(nccl, comm);
   if (call != ncclSuccess && call != ncclInProgress) return AbortWith(nccl, comm, Describe(nccl, comm, name, call));
   return Poll(nccl, comm, name, r);
 }

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <string>
 
 #include "dynload.h"
@@ -23,6 +24,10 @@ struct Comm {
   bool blocking = true;
   bool ready = false;    // non-blocking init finished
   std::atomic<bool> aborted{false};  // the watchdog thread may abort it
+  // Guards NCCL calls on `comm` against an abort (and NCCL's free) from another
+  // thread. One per communicator: the threads of other devices, each polling its
+  // own communicator, never wait on it (a poll can include joining NCCL's group thread).
+  std::mutex mu;
   std::string axis;
   std::string failure;   // set once aborted; every later use reports it
   FlightRecorder recorder;
@@ -30,8 +35,28 @@ struct Comm {
 
 // Deadline for one poll loop, and the injected delay before each NCCL op.
 void SetTimeoutMs(int64_t ms);
-// How Poll waits in its first 500 us: 0 yields the CPU between polls, 1 spins.
+// How Poll waits for a non-blocking communicator. Each of its ncclGroupEnd calls
+// hands the launch to a new thread of NCCL's own (NCCL 2.28 src/group.cc), which
+// Poll waits for. In the first 500 us:
+enum class PollMode {
+  kYield = 0,  // yield the CPU between polls
+  kSpin = 1,   // busy-poll
+  // busy-poll kSpinPolls polls, then yield; NCCL's group thread is started on the
+  // issuing CPU (it inherits a one-CPU affinity), so it runs the moment the poller
+  // yields, on warm caches, instead of waiting for an idle core to wake (the default)
+  kLocal = 2,
+};
+// After 500 us every mode sleeps with back-off (20 us doubling to 1 ms).
 void SetPollMode(int mode);
+PollMode GetPollMode();
+constexpr int kSpinPolls = 8;
+// How often Poll yielded and slept since the last reset (for the tests).
+struct PollCounts {
+  int64_t yields = 0;
+  int64_t sleeps = 0;
+};
+PollCounts GetPollCounts();
+void ResetPollCounts();
 int64_t TimeoutMs();
 void SetDebugDelayUs(int64_t us);
 int64_t DebugDelayUs();

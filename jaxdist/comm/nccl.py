@@ -31,8 +31,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxdist import _native
+from jaxdist._compat import varying_axes
 from jaxdist.comm import watchdog
 from jaxdist.comm._backend import Backend, current_site, floating_and_int_dtypes
+from jaxdist.comm._checks import as_axis_names
 from jaxdist.comm._sequence import sequence
 from jaxdist.comm.watchdog import NcclTimeoutError, check, flight_record, set_recorder  # noqa: F401  (public API)
 
@@ -49,7 +51,8 @@ _TARGETS = (
     "jaxdist_memcpy",
     "jaxdist_bench_ungrouped",
 )
-_POLL_MODES = {"yield": 0, "spin": 1}
+# ffi/src/comms.h PollMode: how a wait for a non-blocking communicator spends its first 500 us
+_POLL_MODES = {"yield": 0, "spin": 1, "local": 2}
 POLL_ENV = "JAXDIST_NCCL_POLL"
 
 
@@ -79,7 +82,7 @@ def load() -> ctypes.CDLL:
         raise _native.NativeLibraryError(str(e)) from None
     lib.jaxdist_set_timeout_ms(int(float(os.environ.get(TIMEOUT_ENV, "300")) * 1000))
     lib.jaxdist_set_debug_delay_us(int(os.environ.get(DELAY_ENV, "0")))
-    lib.jaxdist_set_poll_mode(_poll_mode(os.environ.get(POLL_ENV, "yield")))
+    lib.jaxdist_set_poll_mode(_poll_mode(os.environ.get(POLL_ENV, "local")))
     for name in _TARGETS:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="CUDA")
     watchdog.start(_timeout_s())
@@ -99,7 +102,10 @@ def _poll_mode(name: str) -> int:
 
 
 def set_poll_mode(mode: str) -> None:
-    """How a wait for NCCL spends its first 500 us: "yield" the CPU between polls (default) or "spin"."""
+    """How a wait for a non-blocking communicator spends its first 500 us (then it sleeps with back-off).
+
+    "local" (default): NCCL's group thread (one per op) starts on the issuing CPU; the wait busy-polls
+    8 polls, then yields that CPU to it. "yield": yields between polls. "spin": busy-polls."""
     load().jaxdist_set_poll_mode(_poll_mode(mode))
 
 
@@ -310,7 +316,7 @@ class NcclBackend(Backend):
         xt, shape = self._layout(kind, x, params)
         out = jax.ShapeDtypeStruct(shape, x.dtype)
         y = self._call("jaxdist_nccl_collective", out, xt, **self._op_attrs(kind, axis_name, params))
-        return self._unlayout(kind, y, params)
+        return _typed(self._unlayout(kind, y, params), _result_axes(kind, x, axis_name))
 
     def all_gather(self, x, axis_name, **params):
         return self._sync("all_gather", x, axis_name, params)
@@ -328,6 +334,7 @@ class NcclBackend(Backend):
         xt, shape = self._layout(kind, x, params)
         site = current_site()
         params["op_id"] = _site_ids.setdefault(site, next(_op_ids)) if site else next(_op_ids)
+        params["result_axes"] = _result_axes(kind, x, axis_name)
         outs = (jax.ShapeDtypeStruct(xt.shape, xt.dtype), jax.ShapeDtypeStruct(shape, x.dtype))
         # Result 0 aliases the input: XLA keeps the input alive until wait.
         return tuple(
@@ -359,7 +366,21 @@ class NcclBackend(Backend):
         x_alias, y = buffers
         out = jax.ShapeDtypeStruct(y.shape, y.dtype)
         y = self._call("jaxdist_nccl_wait", out, x_alias, y, aliases={1: 0}, op_id=params["op_id"])
-        return self._unlayout(kind, y, params)
+        return _typed(self._unlayout(kind, y, params), params["result_axes"])
+
+
+def _result_axes(kind: str, x, axis_name) -> tuple[str, ...]:
+    """The manual axes a result varies over under `shard_map(check_vma=True)`, as the xla backend's
+    `jax.lax` op types it: an all-reduce is invariant over its axes, every other op varies over them."""
+    names, vma = set(as_axis_names(axis_name)), varying_axes(x)
+    return tuple(sorted(vma - names if kind == "all_reduce" else vma | names))
+
+
+def _typed(y, axes: tuple[str, ...]):
+    """`ffi_call` types its results invariant over every axis: cast `y` to vary over `axes` (no
+    communication; the identity without check_vma)."""
+    missing = tuple(a for a in axes if a not in varying_axes(y))
+    return jax.lax.pcast(y, missing, to="varying") if missing else y
 
 
 @functools.cache

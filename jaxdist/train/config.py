@@ -38,7 +38,7 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class ParallelConfig:
-    dp: int = _key(-1, "data-parallel size; -1: every device not used by fsdp and tp")
+    dp: int = _key(-1, "data-parallel size; -1: every device not used by fsdp, tp and pp")
     fsdp: int = _key(1, "FSDP size (> 1: FSDP, HSDP with dp > 1)")
     tp: int = _key(1, "tensor-parallel size (> 1: DP x TP)")
     zero1: bool = _key(True, "DDP: shard the optimizer state (FSDP and TP always do)")
@@ -46,8 +46,12 @@ class ParallelConfig:
     buffers: int = _key(2, "FSDP: units gathered at once")
     update_in_backward: bool = _key(False, "FSDP: update each unit during backward (needs optim.max_grad_norm=0)")
     sequence_parallel: bool = _key(False, "TP: shard activations along the sequence")
-    remat: bool = _key(True, "TP: recompute blocks in backward")
+    remat: bool = _key(False, "TP: recompute blocks in backward (less activation memory, one more forward)")
     backend: str = _key("xla", "comm backend: xla or nccl")
+    pp: int = _key(1, "pipeline-parallel size (> 1: the GPT's blocks split into pp x virtual stages)")
+    microbatches: int = _key(4, "pipeline: micro-batches per data rank's batch")
+    schedule: str = _key("1f1b", "pipeline schedule: 1f1b, gpipe or interleaved")
+    virtual: int = _key(1, "pipeline: stages per rank (interleaved schedule)")
 
 
 @dataclasses.dataclass

@@ -76,13 +76,14 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
 def make_mesh(cfg: TrainConfig, devices) -> jax.sharding.Mesh:
     p = cfg.parallel
     n = len(devices)
-    for name in ("fsdp", "tp"):
+    for name in ("fsdp", "tp", "pp"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
-    dp = p.dp if p.dp > 0 else n // (p.fsdp * p.tp)
-    if dp < 1 or dp * p.fsdp * p.tp != n:
+    dp = p.dp if p.dp > 0 else n // (p.fsdp * p.tp * p.pp)
+    if dp < 1 or dp * p.fsdp * p.tp * p.pp != n:
+        pp = f" x pp = {p.dp} x {p.fsdp} x {p.tp} x {p.pp}" if p.pp > 1 else f" = {p.dp} x {p.fsdp} x {p.tp}"
         raise ConfigError(
-            f"parallel.dp x fsdp x tp = {p.dp} x {p.fsdp} x {p.tp} does not multiply to the {n} devices; "
+            f"parallel.dp x fsdp x tp{pp} does not multiply to the {n} devices; "
             f"pick sizes whose product is {n} (dp=-1 fills in the rest)"
         )
     if p.tp > 1 and p.fsdp > 1:
@@ -93,6 +94,8 @@ def make_mesh(cfg: TrainConfig, devices) -> jax.sharding.Mesh:
         shape, names = (dp, p.fsdp), ("dp", "fsdp")
     else:
         shape, names = (dp,), ("dp",)
+    if p.pp > 1:  # the pipeline axis outermost: its neighbours exchange the least
+        shape, names = (p.pp, *shape), ("pp", *names)
     return jax.make_mesh(shape, names, devices=devices)
 
 
@@ -120,6 +123,8 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
         from jaxdist.comm import nccl
 
         nccl.init(mesh)
+    if p.pp > 1:
+        return _pipelined(cfg, mesh, model, optimizer, batch, clip)
     if p.tp > 1 or (p.fsdp > 1 and not p.update_in_backward):
         # the unit engine: the GPT's TP plan (tp > 1), then the data axes' storage: ZeRO-3 over fsdp, else
         # ZeRO-1 over dp
@@ -159,6 +164,32 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
         backend=p.backend,
     )
     return strategy.prepare(model, optimizer, next_token_loss, batch)
+
+
+def _pipelined(cfg: TrainConfig, mesh, model: GPT, optimizer, batch, clip):
+    """The pipeline over `pp` (the unit engine's storage and TP plan on the other axes)."""
+    from jaxdist.pipeline import Pipelined
+
+    p = cfg.parallel
+    for key, off in (("update_in_backward", False), ("sequence_parallel", False)):
+        if getattr(p, key) != off:
+            raise ConfigError(f"parallel.{key} does not work with parallel.pp > 1 yet; set it to {str(off).lower()}")
+    if cfg.optim.accumulation_steps > 1:
+        raise ConfigError("optim.accumulation_steps > 1 works with DDP only; parallel.microbatches splits a pp step")
+    try:
+        strategy = Pipelined(
+            mesh,
+            plan=tp_plan_for(model.cfg) if p.tp > 1 else None,
+            zero1=p.zero1,
+            max_grad_norm=clip,
+            backend=p.backend,
+            microbatches=p.microbatches,
+            schedule=p.schedule,
+            virtual=p.virtual,
+        )
+        return strategy.prepare(model, optimizer, UNITS, batch)
+    except ValueError as e:  # the pipeline's own one-line errors name the parallel.* key to change
+        raise ConfigError(f"parallel.pp={p.pp}: {e}") from None
 
 
 def layout_of(cfg: TrainConfig, mesh) -> dict:
@@ -233,7 +264,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     mcfg = model_config(cfg)
     out_dir = run_dir.prepare(cfg.run)
     source = hooks.source(cfg, "train", mcfg, out_dir)
-    batch_axes = tuple(n for n in mesh.axis_names if n != "tp")
+    batch_axes = tuple(n for n in mesh.axis_names if n not in ("tp", "pp"))
     batch_sharding = NamedSharding(mesh, P(batch_axes))
     n_batch = int(np.prod([mesh.shape[a] for a in batch_axes])) * cfg.optim.accumulation_steps
     if cfg.data.batch_size % n_batch:

@@ -1,0 +1,46 @@
+"""Both comm backends type their results as `jax.lax` does under `shard_map(check_vma=True)`:
+an all-reduce is invariant over its axes, the other ops vary over them, and every other axis
+keeps the input's type. The nccl ops are only traced here (abstractly, with no communicator),
+so the check runs without GPUs."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+from meshes import cpu_mesh
+
+from jaxdist._compat import varying_axes
+from jaxdist.comm import nccl
+from jaxdist.comm.xla import XLA_BACKEND
+
+OPS = {
+    "all_reduce": {"op": "sum"},
+    "all_gather": {"axis": 0, "tiled": True},
+    "reduce_scatter": {"op": "sum", "scatter_axis": 0},
+    "sendrecv": {"perm": ((0, 1), (1, 0))},
+}
+
+
+@pytest.mark.parametrize("varies", [(), ("a",), ("b",), ("a", "b")], ids=["none", "a", "b", "ab"])
+@pytest.mark.parametrize("kind", list(OPS))
+def test_results_vary_over_the_axes_jax_lax_gives_them_with_both_backends(kind, varies, monkeypatch):
+    monkeypatch.setattr(nccl, "_comm_key", lambda axis_name: 0)  # an abstract trace needs no communicator
+    backends = {"xla": XLA_BACKEND, "nccl": nccl.NcclBackend()}
+    seen = {}
+
+    def body(x):
+        if varies:
+            x = jax.lax.pcast(x, varies, to="varying")
+        for name, backend in backends.items():
+            sync = getattr(backend, kind)(x, "a", **OPS[kind], size=2)
+            params = {**OPS[kind], "size": 2}
+            done = backend.finish(kind, backend.start(kind, x, "a", params), "a", params)
+            seen[name] = (varying_axes(sync), varying_axes(done))
+        return jnp.zeros(())
+
+    mesh = cpu_mesh((2, 2), ("a", "b"))
+    traced = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=True)
+    jax.eval_shape(traced, jax.ShapeDtypeStruct((4, 3), jnp.float32))
+    expected = set(varies) - {"a"} if kind == "all_reduce" else set(varies) | {"a"}
+    assert seen["xla"] == (expected, expected)
+    assert seen["nccl"] == seen["xla"]
