@@ -38,6 +38,14 @@ from jaxdist import comm
 from jaxdist._interleave import LAZY, Schedule, eval_interleaved, first_use_order
 from jaxdist._step import TrainState, local_batch_avals, sharded_step
 from jaxdist.buckets import DEFAULT_BUCKET_SIZE, BucketLayout, bucket_layout, pack_bucket, unpack_bucket
+from jaxdist.canonical import (
+    canonical_avals,
+    check_canonical,
+    mirror_map,
+    resharding,
+    split_largest_dim,
+    with_shardings,
+)
 from jaxdist.model_state import ModelState, keep_if, split_for_training
 
 
@@ -135,6 +143,7 @@ class DDPRun:
         stored = self.model_state.store(rest)
         self.stored_avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), stored)
         leaves, self.treedef = jax.tree.flatten(params)
+        self.pure_treedef = jax.tree.structure(nnx.to_pure_dict(params))
         self.param_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
         self.batch_spec = P(cfg.axis)
         self.micro_batch = self._micro_batch_avals(batch)
@@ -212,6 +221,81 @@ class DDPRun:
         model state (e.g. running statistics) of `state`."""
         rest = self.model_state.load(jax.device_put(state.model_state, self._sharding(P())))
         return nnx.merge(self.graphdef, self.params(state), rest)
+
+    # -- the canonical state (jaxdist.canonical) ------------------------------
+
+    def canonical_shardings(self) -> TrainState:
+        """Where the canonical state lives: under zero1 each parameter (and its optimizer state) split over
+        the axis along its largest dimension that divides, so no device holds a whole copy; else replicated."""
+        avals = self._canonical_avals()
+        replicated = self._sharding(P())
+        split = lambda a: split_largest_dim(a.shape, self.cfg.mesh, self.cfg.axis if self.cfg.zero1 else None)
+        params = jax.tree.map(split, avals.params)
+        placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), avals.params, params)
+        opt = mirror_map(avals.opt_state, placed, lambda _, p: p.sharding, lambda _: replicated)
+        return TrainState(params, opt, replicated, jax.tree.map(lambda _: replicated, avals.model_state))
+
+    def _canonical_avals(self) -> TrainState:
+        return canonical_avals(self.optimizer, self.pure_treedef.unflatten(self.param_avals), self.stored_avals)
+
+    def canonical(self, state: TrainState) -> TrainState:
+        """`state` in the canonical form (parameters as the model's pure dict, the optimizer state of
+        `optimizer.init` on it), resharded inside jit onto `canonical_shardings()`."""
+        return resharding(self._to_canonical, self.cfg.mesh, self.canonical_shardings())(state)
+
+    def from_canonical(self, tree: TrainState) -> TrainState:
+        """This run's state from a canonical one (e.g. restored from a checkpoint of another layout)."""
+        check_canonical(tree, self._canonical_avals(), "DDP")
+        return resharding(self._from_canonical, self.cfg.mesh, self._state_shardings())(tree)
+
+    def canonical_target(self) -> TrainState:
+        """The canonical state's ShapeDtypeStructs with shardings (what a checkpoint restores onto)."""
+        return with_shardings(self._canonical_avals(), self.canonical_shardings())
+
+    def _state_shardings(self) -> TrainState:
+        replicated = self._sharding(P())
+        if self.cfg.zero1:
+            params = tuple(jax.ShapeDtypeStruct((b.size,), b.dtype) for b in self.layout.buckets)
+        else:
+            params = self.treedef.unflatten(self.param_avals)
+        params_sharding = jax.tree.map(lambda _: self._sharding(P(self.cfg.axis) if self.cfg.zero1 else P()), params)
+        model_state = jax.tree.map(lambda _: replicated, self.stored_avals)
+        return TrainState(params_sharding, self._opt_shardings(params), replicated, model_state)
+
+    def _to_canonical(self, state: TrainState) -> TrainState:
+        if self.cfg.zero1:
+            params = self._unpack(state.params)
+            opt = optax.tree_utils.tree_map_params(
+                self.optimizer, self._unpack, state.opt_state, is_leaf=lambda v: isinstance(v, tuple)
+            )
+        else:
+            params = self.pure_treedef.unflatten(jax.tree.leaves(state.params))
+            opt = jax.tree.structure(self._canonical_avals().opt_state).unflatten(jax.tree.leaves(state.opt_state))
+        return TrainState(params, opt, state.step, state.model_state)
+
+    def _from_canonical(self, tree: TrainState) -> TrainState:
+        if self.cfg.zero1:
+            params = self._pack(tree.params)
+            opt = optax.tree_utils.tree_map_params(
+                self.optimizer, self._pack, tree.opt_state, is_leaf=lambda v: isinstance(v, dict)
+            )
+        else:
+            params = self.treedef.unflatten(jax.tree.leaves(tree.params))
+            own = jax.eval_shape(self.optimizer.init, params)
+            opt = jax.tree.structure(own).unflatten(jax.tree.leaves(tree.opt_state))
+        return TrainState(params, opt, tree.step, tree.model_state)
+
+    def _unpack(self, flats) -> dict:
+        """A pure parameter dict from one flat buffer per bucket (parameters, or optimizer moments in
+        their own dtype)."""
+        leaves = {}
+        for bucket, flat in zip(self.layout.buckets, flats, strict=True):
+            leaves.update(unpack_bucket(bucket, flat, flat.dtype))
+        return self.pure_treedef.unflatten([leaves[i] for i in range(len(leaves))])
+
+    def _pack(self, pure: dict) -> tuple:
+        leaves = self.pure_treedef.flatten_up_to(pure)
+        return tuple(pack_bucket(b, leaves, leaves[b.slots[0].leaf].dtype) for b in self.layout.buckets)
 
     # -- the step ------------------------------------------------------------
 

@@ -45,6 +45,7 @@ from jaxdist import tp as tp_math
 from jaxdist._pipeline import AsyncOp, check_buffers, kept, pipelined_loop
 from jaxdist._step import PlacedStep, TrainState, local_batch_avals
 from jaxdist._tp_grads import tp_summed
+from jaxdist.canonical import canonical_avals, check_canonical, mirror_map, with_shardings
 from jaxdist.model_state import ModelState, keep_if, training_copy
 from jaxdist.per_leaf import check_per_leaf, owners
 from jaxdist.tp_plan import Binding, TPPlan, bind, from_storage, to_storage
@@ -468,7 +469,9 @@ class ParallelRun:
             return self.treedef.unflatten(out)
 
         params = jax.jit(store, out_shardings=shardings)(pure)
-        opt_shardings = _mirror_shardings(jax.eval_shape(self.optimizer.init, params), params, self._sharding(P()))
+        replicated = self._sharding(P())
+        opt_shapes = jax.eval_shape(self.optimizer.init, params)
+        opt_shardings = mirror_map(opt_shapes, params, lambda _, p: p.sharding, lambda _: replicated)
         opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), self._sharding(P()))
         model_state = jax.device_put(self.initial_model_state, self._sharding(P()))
@@ -493,6 +496,96 @@ class ParallelRun:
         """An NNX model holding the parameters of `state`."""
         model_state = jax.device_put(state.model_state, self._sharding(P()))
         return nnx.merge(self.graphdef, self.params(state), self._rest(model_state))
+
+    # -- the canonical state (jaxdist.canonical) ---------------------------------------
+    # The parameters are already the model's tree, sharded like the canonical form; only grouped
+    # column layers are stored in another order along their tp dimension (`to_storage`).
+
+    def canonical_shardings(self) -> TrainState:
+        """Where the canonical state lives: parameters and the optimizer state mirroring them sharded as
+        stored (over tp and the storage axis), except grouped columns (see `_canonical_spec`); everything
+        else replicated."""
+        replicated = self._sharding(P())
+        params = self.treedef.unflatten(
+            [
+                jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self._sharding(self._canonical_spec(leaf)))
+                for leaf in self.leaves
+            ]
+        )
+        opt = mirror_map(
+            jax.eval_shape(self.optimizer.init, params), params, lambda _, p: p.sharding, lambda _: replicated
+        )
+        model_state = jax.tree.map(lambda _: replicated, self._model_avals())
+        return TrainState(jax.tree.map(lambda p: p.sharding, params), opt, replicated, model_state)
+
+    def _canonical_spec(self, leaf: _Leaf) -> P:
+        """The storage spec, but a grouped column (fused q/k/v), stored in another order along its tp
+        dimension, is split along another dimension instead: the reorder is then local to each device
+        and the resharding an all-to-all (sharded along the tp dimension it would need whole copies)."""
+        spec = self._spec(leaf)
+        if leaf.groups == 1 or leaf.tp_dim is None:
+            return spec
+        axes = [a for part in spec if part is not None for a in (part if isinstance(part, tuple) else (part,))]
+        n = int(np.prod([self.cfg._size(a) for a in axes]))
+        others = [d for d, size in enumerate(leaf.shape) if d != leaf.tp_dim and size % n == 0]
+        if not others:
+            return spec  # e.g. a fused bias: one dimension, small
+        dim = max(others, key=lambda d: (leaf.shape[d], -d))
+        return P(*[(tuple(axes) if len(axes) > 1 else axes[0]) if d == dim else None for d in range(len(leaf.shape))])
+
+    def _model_avals(self):
+        return jax.eval_shape(self._canonical_model_state, self.initial_model_state)
+
+    def _canonical_avals(self) -> TrainState:
+        params = self.treedef.unflatten([jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self.leaves])
+        return canonical_avals(self.optimizer, params, self._model_avals())
+
+    def canonical_target(self) -> TrainState:
+        """The canonical state's ShapeDtypeStructs with shardings (what a checkpoint restores onto)."""
+        return with_shardings(self._canonical_avals(), self.canonical_shardings())
+
+    def canonical(self, state: TrainState) -> TrainState:
+        """`state` in the canonical form (single-device shapes and order), resharded inside jit."""
+        return jax.jit(self._to_canonical, out_shardings=self.canonical_shardings())(state)
+
+    def from_canonical(self, tree: TrainState) -> TrainState:
+        """This run's state from a canonical one (e.g. restored from a checkpoint of another layout)."""
+        check_canonical(tree, self._canonical_avals(), "Parallel")
+        return jax.jit(self._from_canonical, out_shardings=self.state_shardings)(tree)
+
+    def _reorder(self, tree, convert):
+        """Apply `convert(x, tp_dim, groups, tp)` to every parameter and every optimizer leaf mirroring one."""
+        tp = self.cfg.tp
+        params, opt = tree
+        xs = jax.tree.leaves(params)
+        params = self.treedef.unflatten(
+            [convert(x, leaf.tp_dim, leaf.groups, tp) for x, leaf in zip(xs, self.leaves, strict=True)]
+        )
+        leaves = self.treedef.unflatten(self.leaves)
+        opt = mirror_map(opt, leaves, lambda x, leaf: convert(x, leaf.tp_dim, leaf.groups, tp), lambda x: x)
+        return params, opt
+
+    def _to_canonical(self, state: TrainState) -> TrainState:
+        params, opt = self._reorder((state.params, state.opt_state), from_storage)
+        return TrainState(params, opt, state.step, self._canonical_model_state(state.model_state))
+
+    def _from_canonical(self, tree: TrainState) -> TrainState:
+        params, opt = self._reorder((tree.params, tree.opt_state), to_storage)
+        return TrainState(params, opt, tree.step, self._own_model_state(tree.model_state))
+
+    def _canonical_model_state(self, model_state) -> dict:
+        """The model's variables as one pure dict (as DDP stores them): the blocks' under the blocks' name."""
+        out = dict(model_state["outer"])
+        blocks = {i: b for i, b in model_state["blocks"].items() if jax.tree.leaves(b)}
+        if blocks:
+            out[self.units.blocks] = blocks
+        return out
+
+    def _own_model_state(self, canonical: dict) -> dict:
+        outer = {k: v for k, v in canonical.items() if k != self.units.blocks}
+        placed = canonical.get(self.units.blocks, {})
+        blocks = {i: placed.get(i, {}) for i in range(self.n_blocks)} if self.block_states is not None else {}
+        return {"outer": outer, "blocks": blocks}
 
     # -- units as functions of their local parameter pieces ----------------------------
 
@@ -955,14 +1048,6 @@ class ParallelRun:
         """Sum of a unit's gathered weights, replicated pieces counted once over tp."""
         tp = self.cfg.tp
         return sum(jnp.sum(w.astype(jnp.float32)) / (tp if self.leaves[k].tp_dim is None else 1) for k, w in ws.items())
-
-
-def _mirror_shardings(opt_shapes, params, replicated):
-    """Each optimizer state leaf that mirrors a parameter (`jaxdist.per_leaf.owners`) is sharded like
-    it; others replicated."""
-    shardings = [x.sharding for x in jax.tree.leaves(params)]
-    placed = [replicated if o is None else shardings[o] for o in owners(opt_shapes, params)]
-    return jax.tree.structure(opt_shapes).unflatten(placed)
 
 
 def _fetch(op: AsyncOp, value, tok):

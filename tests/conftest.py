@@ -28,3 +28,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"needs 2+ GPUs, found {gpus}"))
         elif "gpu" in item.keywords and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a GPU"))
+
+
+@pytest.fixture(scope="session")
+def trained_layouts(tmp_path_factory):
+    """Each checkpoint layout of tests/layouts.py trained once, shared by the tests that compare layouts."""
+    from layouts import trained_layouts_session
+
+    yield from trained_layouts_session(tmp_path_factory)

@@ -27,6 +27,8 @@ LAYERS = {
     "jaxdist.pipeline_schedule": 3,
     "jaxdist._step": 4,
     "jaxdist.model_state": 4,
+    "jaxdist.canonical": 4,
+    "jaxdist.per_leaf": 4,
     "jaxdist.tp_plan": 4,
     "jaxdist._tp_grads": 4,
     "jaxdist.ddp": 5,

@@ -152,6 +152,28 @@ def test_the_unit_engine_draws_the_masks_and_statistics_of_ddp(shape, names):
     assert ours.blocks[0].drop.deterministic  # eval mode: dropout off, running statistics used
 
 
+def test_dropout_streams_and_batch_statistics_move_from_ddp_to_the_engine_through_a_checkpoint(tmp_path):
+    """The canonical model state is one pure dict for every layout: a DDP run saved after one step
+    and restored onto the engine (which draws DDP's masks) continues as the uninterrupted DDP run."""
+    make = lambda: Net([0.5, 2.0, -1.0], nnx.Rngs(0), input_dropout=0.2, dropout=0.3, batchnorm=True)
+    batches = data(3, batch_size=64)
+    mesh = cpu_mesh((8,), ("dp",))
+    ddp = DDP(mesh, zero1=False).prepare(make(), optax.sgd(0.1), net_loss, batches[0])
+    state, first = run_steps(ddp, batches[:1])
+    ckpt = Checkpoints(tmp_path, 1)
+    ckpt.save(1, ddp.canonical(state), {})
+    ddp_state, more = run_steps(ddp, batches[1:], state)
+    engine = Parallel(mesh).prepare(make(), optax.sgd(0.1), UNITS, batches[0])
+    ckpt.wait()
+    restored = engine.from_canonical(ckpt.restore(1, engine.canonical_target()))
+    ckpt.close()
+    restored, resumed = run_steps(engine, batches[1:], restored)
+    np.testing.assert_allclose(resumed, more, rtol=LOSS_RTOL)
+    ours, theirs = engine.model(restored), ddp.model(ddp_state)
+    for i in range(3):
+        np.testing.assert_allclose(ours.blocks[i].norm.mean[...], theirs.blocks[i].norm.mean[...], rtol=1e-5, atol=1e-6)
+
+
 # -- dropout: per rank, per step, and resumed -----------------------------------------------------
 
 
@@ -206,9 +228,10 @@ def test_dropout_masks_differ_per_rank_and_step_and_resume_exactly(dp_mesh, zero
     first = fresh()
     _, state = mask_step(first, first.state, 0)
     ckpt = Checkpoints(tmp_path, 1)
-    ckpt.save(1, state, first.params(state), {})
+    ckpt.save(1, first.canonical(state), {})
+    ckpt.wait()
     second = fresh()
-    state = ckpt.restore_state(1, second.state)
+    state = second.from_canonical(ckpt.restore(1, second.canonical_target()))
     ckpt.close()
     resumed = []
     for _ in range(2):

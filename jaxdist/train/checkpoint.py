@@ -1,11 +1,20 @@
-"""Checkpoints with orbax: the exact train state, plus the full parameters for another layout.
+"""Checkpoints with orbax: the canonical train state, sharded, written in the background.
 
-Each checkpoint holds the strategy's own train state (exact resume on the same
-mesh and strategy), the full parameters in the single-device layout (restore
-onto another mesh shape or strategy), and metadata (model config, layout,
-schedule, step). Orbax writes a checkpoint to a temporary directory and renames
-it when complete, so an interrupted save never touches the previous
-checkpoints; only the newest `keep` are kept.
+Each checkpoint holds the run's canonical state (`jaxdist.canonical`: the
+parameters by parameter path, the optimizer state of a single-device optax
+run, the step, the model's other variables) and metadata (model config,
+layout, schedule, data). Orbax writes every array from the devices that hold
+its shards; a restore reads each array straight into the shardings of the
+target run's canonical form (`run.canonical_target()`), whatever layout saved
+it, and the run converts it to its own layout (`run.from_canonical`) inside
+jit: no device and no host ever holds a whole copy.
+
+Saves are asynchronous: `save` returns once the values are copied off the
+devices (the next step may then donate and overwrite them) and the files are
+written in the background; at most one save is in flight (`save` and `wait`
+finish the previous one first). Orbax writes a checkpoint to a temporary
+directory and renames it when complete, so an interrupted save (a crash, kill
+-9) never touches the previous checkpoints; only the newest `keep` are kept.
 
 Orbax does not checksum its data files (a flipped byte restores silently as a
 wrong value), so after each save the size and CRC-32 of every file go into
@@ -28,7 +37,6 @@ from typing import TypeVar
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from flax import nnx
 
 from jaxdist.train.config import ConfigError
 from jaxdist.train.report import warn
@@ -72,41 +80,52 @@ class Checkpoints:
     def __init__(self, directory: str | Path, keep: int):
         self.directory = Path(directory).absolute() / "checkpoints"
         self.unreadable_dir = self.directory.with_name("checkpoints.unreadable")
-        options = ocp.CheckpointManagerOptions(max_to_keep=max(1, keep), create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "params", "meta"))
+        options = ocp.CheckpointManagerOptions(max_to_keep=max(1, keep), create=True, enable_async_checkpointing=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self.pending: int | None = None  # the step whose save is in flight
+        self._quiet = _DropOrbaxLogs()
 
     def latest(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state, params, meta: dict) -> None:
-        """Write checkpoint `step`; a failure (e.g. a full disk) leaves no partial checkpoint and raises
-        CheckpointError."""
-        pure = nnx.to_pure_dict(params)
-        quiet = _DropOrbaxLogs()
-        absl_logger = logging.getLogger("absl")
-        absl_logger.addFilter(quiet)
+    def save(self, step: int, canonical, meta: dict) -> None:
+        """Start writing checkpoint `step` of the canonical state `canonical` (after finishing the save in
+        flight). Returns once the values are off the devices; a failure (e.g. a full disk) leaves no
+        partial checkpoint and raises CheckpointError, here or at the next `save` / `wait`."""
+        self.wait()
+        logging.getLogger("absl").addFilter(self._quiet)
+        self.pending = step
         try:
             self.manager.save(
                 step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state),
-                    params=ocp.args.StandardSave(pure),
-                    meta=ocp.args.JsonSave(meta),
-                ),
+                args=ocp.args.Composite(state=ocp.args.StandardSave(canonical), meta=ocp.args.JsonSave(meta)),
                 force=True,
             )
+        except Exception as e:
+            self._failed(e)
+
+    def wait(self) -> None:
+        """Finish the save in flight (if any) and record its checksums."""
+        if self.pending is None:
+            return
+        try:
             self.manager.wait_until_finished()
             if jax.process_index() == 0:
-                self._write_checksums(step)
+                self._write_checksums(self.pending)
         except Exception as e:
-            # the filter stays: orbax's background threads log this failure again at exit
-            self._discard_partial(step)
-            hint = "free some space" if getattr(e, "errno", None) == errno.ENOSPC else "fix the cause"
-            raise CheckpointError(
-                f"could not save the checkpoint of step {step} in {self.directory}: {_first_line(e)}; {hint} "
-                "and run again to resume from the previous checkpoint"
-            ) from None
-        absl_logger.removeFilter(quiet)
+            self._failed(e)
+        self.pending = None
+        logging.getLogger("absl").removeFilter(self._quiet)
+
+    def _failed(self, e: Exception):
+        # the log filter stays: orbax's background threads log this failure again at exit
+        step, self.pending = self.pending, None
+        self._discard_partial(step)
+        hint = "free some space" if getattr(e, "errno", None) == errno.ENOSPC else "fix the cause"
+        raise CheckpointError(
+            f"could not save the checkpoint of step {step} in {self.directory}: {_first_line(e)}; {hint} "
+            "and run again to resume from the previous checkpoint"
+        ) from None
 
     def _discard_partial(self, step: int, settle_s: float = 1.0, limit_s: float = 30.0) -> None:
         """Remove the temporary directory of a failed save of `step`. The writes of its other items are still
@@ -179,20 +198,38 @@ class Checkpoints:
     def meta(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
-    def restore_state(self, step: int, like):
-        """The train state saved at `step`, with the shapes and shardings of `like`."""
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
-        return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))).state
+    def restore(self, step: int, target):
+        """The canonical state saved at `step`, read straight into the shapes and shardings of `target`
+        (ShapeDtypeStructs with shardings, e.g. `run.canonical_target()`)."""
+        return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
 
-    def restore_params(self, step: int, like_params):
-        """The full parameters saved at `step`, as host arrays shaped like `like_params` (an nnx.State)."""
-        pure = nnx.to_pure_dict(like_params)
-        abstract = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), pure)
-        restored = self.manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
-        return jax.tree.map(np.asarray, restored.params)
+    def restore_params(self, step: int) -> dict:
+        """Only the parameters saved at `step`, as host arrays (for export: the whole model in this process;
+        the optimizer state is not read). Keys of lists come back as strings ("0", "1", ...)."""
+        path = self.directory / str(step) / "state"
+        absl_logger = logging.getLogger("absl")  # orbax warns that the item has no metadata of its own (the step has)
+        absl_logger.addFilter(self._quiet)
+        try:
+            return self._read_params(path)
+        finally:
+            absl_logger.removeFilter(self._quiet)
+
+    @staticmethod
+    def _read_params(path: Path) -> dict:
+        with ocp.PyTreeCheckpointer() as reader:
+            saved = reader.metadata(path).item_metadata.tree["params"]
+            as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
+            args = ocp.args.PyTreeRestore(
+                item={"params": saved}, restore_args={"params": as_numpy}, partial_restore=True
+            )
+            return reader.restore(path, args=args)["params"]
 
     def close(self) -> None:
-        self.manager.close()
+        """Finish the save in flight, then release orbax's threads."""
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
 
 def check_same_model(meta: dict, model: dict, directory: Path) -> None:

@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     la.add_argument("--cpu-devices", type=int, default=None, help="simulated CPU devices per process (no GPU)")
     la.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
     la.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- jaxdist train ...")
+    ex = sub.add_parser("export", help="write a run's parameters as a plain orbax checkpoint (see README)")
+    ex.add_argument("run_dir")
+    ex.add_argument("out", help="the directory to write (must not exist)")
+    ex.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest readable)")
     pl = sub.add_parser("plot", help="draw loss and throughput of a run to RUN_DIR/curves.png")
     pl.add_argument("run_dir")
     _add_data_commands(sub)
@@ -75,9 +79,24 @@ def main(argv: list[str] | None = None) -> int:
 
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         return launch(cmd, args.processes, cpu_devices=args.cpu_devices, port=args.port)
+    if args.command == "export":
+        return _export(args)
     from jaxdist.train.plot import plot
 
     return plot(args.run_dir)
+
+
+def _export(args) -> int:
+    from jaxdist.train.checkpoint import CheckpointError
+    from jaxdist.train.export import export
+
+    try:
+        step, out = export(args.run_dir, args.out, args.step)
+    except CheckpointError as e:
+        print(f"jaxdist export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{out}: the parameters of step {step} of {args.run_dir}")
+    return 0
 
 
 def _prepare_data(args) -> int:

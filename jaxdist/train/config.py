@@ -86,6 +86,7 @@ class RunConfig:
     checkpoint_every: int = _key(100, "steps between checkpoints; 0: only at the end; -1: none")
     keep_checkpoints: int = _key(2, "newest checkpoints kept")
     resume: bool = _key(True, "continue from the newest checkpoint in out_dir")
+    init_from: str = _key("", "start a new run from these parameters (the OUT of `jaxdist export`); empty: none")
     overwrite: bool = _key(False, "start over in an out_dir that holds a run, deleting its checkpoints and metrics")
     eval_every: int = _key(0, "validation loss every this many steps and at the end; 0: never")
     eval_batches: int = _key(4, "validation batches (of data.batch_size) per evaluation")

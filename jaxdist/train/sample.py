@@ -110,7 +110,9 @@ def load_run(run_dir: str | Path):
             raise ValueError(f"{run_dir / 'checkpoints'} holds no finished checkpoint; train the run first")
         meta = ckpt.meta(step)
         model = GPT(model_config(meta["model"]), nnx.Rngs(0))
-        nnx.update(model, ckpt.restore_params(step, nnx.state(model, nnx.Param)))
+        params = nnx.state(model, nnx.Param)
+        nnx.replace_by_pure_dict(params, ckpt.restore_params(step))  # only the parameters are read
+        nnx.update(model, params)
     finally:
         ckpt.close()
     data_dir = (meta.get("data") or {}).get("dir")

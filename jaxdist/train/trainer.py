@@ -2,8 +2,9 @@
 
 `parallelize` is the one place that turns the `parallel` section into a
 strategy: tp > 1 gives the unit engine with the GPT's TP plan (DP x TP with
-ZeRO-1 over dp, or FSDP x TP, HSDP x TP with fsdp > 1), fsdp > 1 alone FSDP
-(HSDP with dp > 1), otherwise DDP (ZeRO-1 unless parallel.zero1=false).
+ZeRO-1 over dp, or FSDP x TP, HSDP x TP with fsdp > 1), fsdp > 1 alone the
+engine's ZeRO-3 (HSDP with dp > 1; FSDP with parallel.update_in_backward),
+otherwise DDP (ZeRO-1 unless parallel.zero1=false).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,7 +32,7 @@ from jaxdist.train.checkpoint import CheckpointError, Checkpoints, check_same_mo
 from jaxdist.train.config import ConfigError, TrainConfig, validate
 from jaxdist.train.gpt import FLAVORS, GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for
 from jaxdist.train.launch import initialize_args
-from jaxdist.train.report import info
+from jaxdist.train.report import info, warn
 from jaxdist.train.step_watchdog import StepWatchdog, timeout_from
 
 # Datasheet dense bf16 peak, FLOP/s, by device kind: the MFU denominator of Megatron, torchtitan
@@ -122,15 +125,19 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
         nccl.init(mesh)
     if p.pp > 1:
         return _pipelined(cfg, mesh, model, optimizer, batch, clip)
-    if p.tp > 1:  # the GPT's TP plan, then the data axes' storage: ZeRO-3 over fsdp, else ZeRO-1 over dp
+    if p.tp > 1 or (p.fsdp > 1 and not p.update_in_backward):
+        # the unit engine: the GPT's TP plan (tp > 1), then the data axes' storage: ZeRO-3 over fsdp, else
+        # ZeRO-1 over dp
         if p.update_in_backward:
             raise ConfigError("parallel.update_in_backward works with FSDP alone (tp=1); set it to false")
         strategy = Parallel(
             mesh,
-            plan=tp_plan_for(model.cfg),
+            plan=tp_plan_for(model.cfg) if p.tp > 1 else None,
             zero1=p.zero1,
-            sequence_parallel=p.sequence_parallel,
+            sequence_parallel=p.sequence_parallel and p.tp > 1,
             remat=p.remat,
+            buffers=p.buffers,
+            prefetch=p.buffers - 1,
             max_grad_norm=clip,
             backend=p.backend,
         )
@@ -186,7 +193,7 @@ def _pipelined(cfg: TrainConfig, mesh, model: GPT, optimizer, batch, clip):
 
 
 def layout_of(cfg: TrainConfig, mesh) -> dict:
-    """What the exact train state depends on: if it matches a checkpoint's, that state restores as is."""
+    """The mesh and strategy options a run trains with (recorded with each checkpoint; any layout restores it)."""
     p = cfg.parallel
     keys = ("fsdp", "tp", "zero1", "bucket_mb", "update_in_backward")
     layout = {"mesh": dict(mesh.shape), **{k: getattr(p, k) for k in keys}, "dtype": cfg.model.dtype}
@@ -270,6 +277,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
         )
 
     model = GPT(mcfg, nnx.Rngs(cfg.run.seed))
+    if cfg.run.init_from:  # a resumed run reads its own checkpoint instead, below
+        from jaxdist.train.export import load_params
+
+        nnx.update(model, load_params(cfg.run.init_from, nnx.state(model, nnx.Param)))
     # host copies: every process passes the same values, which is what a multi-process jit needs
     nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))
     loader = hooks.Loader(source, cfg.data.batch_size, batch_sharding)
@@ -279,24 +290,23 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     layout = layout_of(cfg, mesh)
     ckpt = Checkpoints(out_dir, cfg.run.keep_checkpoints) if cfg.run.checkpoint_every >= 0 else None
 
-    start, meta, moved_params = 0, None, None
-    found = _newest_checkpoint(ckpt, model, model_meta, layout) if (ckpt and cfg.run.resume) else None
+    start, meta = 0, None
+    found = _newest_meta(ckpt, model_meta) if (ckpt and cfg.run.resume) else None
     if found is not None:
-        start, (meta, moved_params) = found
+        start, meta = found
         hooks.check_same_data(meta, source)
-        if moved_params is not None:  # another mesh or strategy: carry the parameters over
-            nnx.update(model, moved_params)
-            info(f"restored step {start} parameters onto a new layout {layout}; the optimizer restarts")
     decay_steps = schedule_lib.decay_steps(cfg, meta, start)
     optimizer, schedule = make_optimizer(cfg, decay_steps)
     run = parallelize(cfg, mesh, model, optimizer, example)
+    if ckpt is not None and not hasattr(run, "canonical"):
+        warn("FSDP with parallel.update_in_backward=true has no canonical state yet: no checkpoints are read or saved")
+        ckpt, found = None, None
     state = run.state
     if found is not None:
-        if moved_params is None:
-            start, state = _restore_state(ckpt, start, state, layout)
-        else:
-            state = dataclasses.replace(state, step=jax.device_put(jnp.asarray(start, jnp.int32), state.step.sharding))
-        info(f"resumed from {ckpt.directory} at step {start}")
+        start, state = _restore_state(ckpt, start, run, model_meta)
+        saved_in = meta.get("layout")
+        moved = f" (saved in layout {saved_in}, converted to {layout})" if saved_in != layout else ""
+        info(f"resumed from {ckpt.directory} at step {start}{moved}")
         if start >= cfg.run.steps:
             info(f"the run already has its {cfg.run.steps} steps; raise run.steps to train further")
 
@@ -318,13 +328,14 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
 
     def save(step: int):
         if ckpt is not None and step > 0 and step != ckpt.latest():  # a resumed, finished run has it already
-            ckpt.save(step, state, run.params(state), {**meta_out, "step": step})
+            ckpt.save(step, run.canonical(state), {**meta_out, "step": step})
 
     step = start
     summary = _Summary()
     window_start, window_tokens = time.perf_counter(), 0
     guard = StepWatchdog(timeout_from(cfg.run.step_timeout_s), out_dir, process_index=jax.process_index())
     batches = loader.batches(start)  # the data's whole state is the step: see jaxdist.train.shards
+    stop = _StopRequests()
     try:
         for step in range(start, end):
             guard.beat(step)  # a step (or the log/checkpoint work after it) past the deadline ends the run
@@ -362,23 +373,52 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
                 window_start, window_tokens = time.perf_counter(), 0
             if ckpt and cfg.run.checkpoint_every > 0 and (step + 1) % cfg.run.checkpoint_every == 0 and not last:
                 save(step + 1)
+            stop.check()
         save(end)
         summary.print(out_dir, ckpt)
         if cfg.run.sample_tokens > 0 and end > start:
             hooks.print_sample(cfg, run.model(state), source)
-    except KeyboardInterrupt:
-        # the state after the last finished step: a checkpoint of it, then stop
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (a scheduler's stop): see _StopRequests
+        # the state after the last finished step: a checkpoint of it (and the one in flight), then stop
         done = start + len(losses) + len(pending)
         print(f"\njaxdist: interrupted; saving step {done}")
         save(done)
         raise
     finally:
+        stop.close()
         guard.close()
         bar.close()
         log.close()
         if ckpt:
             ckpt.close()
     return losses
+
+
+class _StopRequests:
+    """SIGTERM (a scheduler's stop) and a first Ctrl-C ask the loop to stop at the next step boundary,
+    where it saves: an interrupt then never lands inside a checkpoint save. A second one interrupts
+    at once."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\njaxdist: stopping after this step (again to stop at once)", file=sys.stderr, flush=True)
+
+    def check(self) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+
+    def close(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def _lines(path: Path) -> list[str]:
@@ -390,30 +430,24 @@ def _has_grad_norm(cfg: TrainConfig, metrics: dict) -> bool:
     return "grad_norm" in metrics and not (cfg.parallel.fsdp > 1 and cfg.parallel.update_in_backward)
 
 
-def _newest_checkpoint(ckpt: Checkpoints, model: GPT, model_meta: dict, layout: dict):
-    """(step, (meta, params)) of the newest readable checkpoint of this model; params (host arrays) only
-    when it was saved in another layout, for which they are all that carries over."""
+def _newest_meta(ckpt: Checkpoints, model_meta: dict):
+    """(step, meta) of the newest readable checkpoint of this model."""
 
     def read(step: int):
         meta = ckpt.meta(step)
         check_same_model(meta, model_meta, ckpt.directory)
-        if meta.get("layout") == layout:
-            return meta, None
-        return meta, ckpt.restore_params(step, nnx.state(model, nnx.Param))
+        return meta
 
     return ckpt.newest_readable(read)
 
 
-def _restore_state(ckpt: Checkpoints, start: int, like, layout: dict):
-    """(step, state) of the newest checkpoint at or before `start` whose exact train state restores."""
+def _restore_state(ckpt: Checkpoints, start: int, run, model_meta: dict):
+    """(step, state) of the newest checkpoint at or before `start` that restores: its canonical state read
+    into this run's canonical shardings, converted to the run's own layout (any layout saved it)."""
 
     def read(step: int):
-        if step != start and ckpt.meta(step).get("layout") != layout:
-            raise ConfigError(
-                f"checkpoint {ckpt.directory / str(step)} was saved in another layout; resume with that layout "
-                "or set run.overwrite=true to start over"
-            )
-        return ckpt.restore_state(step, like)
+        check_same_model(ckpt.meta(step), model_meta, ckpt.directory)
+        return run.from_canonical(ckpt.restore(step, run.canonical_target()))
 
     found = ckpt.newest_readable(read, below=start + 1)
     if found is None:

@@ -1,0 +1,81 @@
+"""`jaxdist export RUN_DIR OUT`: a run's parameters as a plain orbax checkpoint of the model's pure dict.
+
+OUT loads without jaxdist (orbax and Flax only; the README shows how) and is what `run.init_from`
+reads. The model's config goes next to it in OUT/jaxdist_model.json.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jaxdist.train.checkpoint import CheckpointError, Checkpoints
+
+MODEL_FILE = "jaxdist_model.json"
+
+
+def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tuple[int, Path]:
+    """Write the parameters of checkpoint `step` (default: the newest readable) of `run_dir` to `out`."""
+    out = Path(out).absolute()
+    if out.exists():
+        raise CheckpointError(f"{out} already exists; pick a new output path or remove it")
+    ckpt = Checkpoints(run_dir, keep=1 << 30)  # keeps everything: reading must never delete a checkpoint
+    try:
+        found = ckpt.newest_readable(
+            lambda s: (ckpt.meta(s), ckpt.restore_params(s)), below=None if step is None else step + 1
+        )
+        if found is None or (step is not None and found[0] != step):
+            which = "a readable checkpoint" if step is None else f"a readable checkpoint of step {step}"
+            raise CheckpointError(f"{ckpt.directory} holds no {which}; check the run directory")
+        step, (meta, params) = found
+    finally:
+        ckpt.close()
+    with ocp.StandardCheckpointer() as writer:
+        writer.save(out, params)
+    (out / MODEL_FILE).write_text(json.dumps({"step": step, "model": meta.get("model")}, indent=1))
+    return step, out
+
+
+def load_params(path: str | Path, like: nnx.State) -> nnx.State:
+    """The exported parameters at `path`, as host arrays in a copy of `like` (a model's `nnx.Param` state);
+    a parameter missing, extra or of another shape raises a one-line error."""
+    path = Path(path).absolute()
+    if not path.is_dir():
+        raise CheckpointError(f"run.init_from={path} is not a directory; pass the OUT of `jaxdist export`")
+    pure = nnx.to_pure_dict(like)
+    try:
+        with ocp.PyTreeCheckpointer() as reader:
+            saved = reader.metadata(path).item_metadata.tree
+        _check_same_parameters(saved, pure)
+        target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), pure)
+        with ocp.StandardCheckpointer() as reader:
+            loaded = reader.restore(path, target)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise CheckpointError(
+            f"run.init_from={path} does not hold this model's parameters ({first}); export a run of the same model"
+        ) from None
+    out = jax.tree.map(lambda x: x, like)
+    nnx.replace_by_pure_dict(out, jax.tree.map(np.asarray, loaded))
+    return out
+
+
+def _check_same_parameters(saved, pure) -> None:
+    """Raise naming the first parameter missing, extra or of another shape (orbax would pad or cut it)."""
+    flat = lambda tree: {
+        "/".join(str(getattr(k, "key", k)) for k in kp): tuple(x.shape)
+        for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+    have, want = flat(saved), flat(pure)
+    for name in sorted(set(have) | set(want)):
+        if name not in have:
+            raise ValueError(f"{name} is missing")
+        if name not in want:
+            raise ValueError(f"{name} is not a parameter of the model")
+        if have[name] != want[name]:
+            raise ValueError(f"{name} has shape {have[name]}, the model's is {want[name]}")

@@ -1,0 +1,30 @@
+"""An asynchronous save writes the values of the step it was given, although the next step donates
+the state and the arrays handed to it are deleted before the write finishes."""
+
+import jax
+import numpy as np
+import optax
+from layouts import LAYOUTS, batches, make_model
+
+from jaxdist.train.checkpoint import Checkpoints
+
+
+def test_the_saved_values_are_the_steps_even_when_its_buffers_are_donated_and_deleted(tmp_path):
+    data = batches(2)
+    run = LAYOUTS["zero1-8"](make_model(), optax.adam(1e-2), data[0])
+    state, _ = run.step(run.state, data[0])
+    canonical = run.canonical(state)
+    expected = jax.tree.map(np.asarray, canonical)
+    ckpt = Checkpoints(tmp_path, keep=2)
+    ckpt.save(1, canonical, {})
+    state, _ = run.step(state, data[1])  # donates the state the canonical form came from
+    for x in jax.tree.leaves(canonical):
+        x.delete()
+    ckpt.save(2, run.canonical(state), {})  # waits for save 1: one in flight at most
+    assert ckpt.pending == 2
+    ckpt.wait()
+    assert ckpt.pending is None and ckpt.manager.all_steps() == [1, 2]
+    restored = ckpt.restore(1, run.canonical_target())
+    ckpt.close()
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
