@@ -144,12 +144,15 @@ def xla_auto():
     return xla_auto
 
 
+SHALLOW, DEEP = 2, 6  # model depths whose temp memory is compared (few: each depth compiles 3 steps)
+
+
 @pytest.fixture(scope="module")
 def memory(mesh):
-    """Peak temp memory at depth 4 and 16 (activations per block: 2x16x128 floats, held fixed)."""
+    """Peak temp memory at depth SHALLOW and DEEP (activations per block: 2x16x128 floats, held fixed)."""
     batch = batches(1)[0]
     out = {}
-    for depth in (4, 16):
+    for depth in (SHALLOW, DEEP):
         model_cfg = dataclasses.replace(MEM_CFG, n_layers=depth)
         for name, cfg in {
             "fsdp": FSDP(mesh),
@@ -178,24 +181,24 @@ ENGINE_MEMORY = pytest.mark.xfail(
 @ENGINE_MEMORY
 def test_temp_memory_grows_only_by_activations_and_gradient_shards(memory):
     unit = memory["unit_bytes"]  # one gathered block
-    per_layer = (memory["fsdp", 16] - memory["fsdp", 4]) / 12
+    per_layer = (memory["fsdp", DEEP] - memory["fsdp", SHALLOW]) / (DEEP - SHALLOW)
     activation = 2 * 16 * 128 * 4  # the block input kept for backward
     grad_shard = unit / 8  # the block's reduce-scattered gradient
     # each extra layer costs its saved input and its gradient shard, not a gathered unit
     assert per_layer <= 1.1 * (activation + grad_shard), (per_layer, activation, grad_shard)
     assert per_layer < unit / 4
     # XLA's automatic FSDP of the same model, side by side: it keeps more per layer
-    auto_per_layer = (memory["xla_auto", 16] - memory["xla_auto", 4]) / 12
-    assert memory["fsdp", 16] < memory["xla_auto", 16], memory
+    auto_per_layer = (memory["xla_auto", DEEP] - memory["xla_auto", SHALLOW]) / (DEEP - SHALLOW)
+    assert memory["fsdp", DEEP] < memory["xla_auto", DEEP], memory
     assert per_layer < auto_per_layer, memory
 
 
 @ENGINE_MEMORY
 def test_update_in_backward_temp_memory_does_not_grow_with_depth(memory):
     """Without the sharded gradients of all units at once, only the saved activations grow."""
-    growth = memory["update_in_backward", 16] - memory["update_in_backward", 4]
-    activations = 12 * 2 * 16 * 128 * 4
-    assert growth <= activations + 0.02 * memory["update_in_backward", 4], memory
+    growth = memory["update_in_backward", DEEP] - memory["update_in_backward", SHALLOW]
+    activations = (DEEP - SHALLOW) * 2 * 16 * 128 * 4
+    assert growth <= activations + 0.02 * memory["update_in_backward", SHALLOW], memory
 
 
 def test_schedule_gathers_one_unit_ahead_and_scatters_behind(mesh):
