@@ -10,6 +10,11 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
+# GPU tests share the GPUs with worker processes they start (multi-process bootstrap, the
+# watchdog): XLA's default grab of 75% of each GPU would leave those workers, and NCCL's own
+# allocations, out of memory.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

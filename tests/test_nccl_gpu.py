@@ -208,11 +208,15 @@ def test_multi_process_bootstrap_through_jax_distributed(tmp_path):
             stderr=subprocess.STDOUT,
             text=True,
             cwd=root,
-            env={**os.environ, "CUDA_VISIBLE_DEVICES": str(i)},
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": str(i), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
         )
         for i in range(2)
     ]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:  # a worker left running would hold its GPU for every later test
+            p.kill()
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out
         assert "RESULT [3.0, 3.0, 3.0, 3.0]" in out, out
