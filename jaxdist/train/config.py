@@ -61,6 +61,8 @@ class OptimConfig:
     warmup_steps: int = _key(10, "linear warmup steps")
     decay_steps: int | None = _key(None, "schedule length (warmup + cosine); default run.steps of the first run")
     weight_decay: float = _key(0.0, "AdamW weight decay")
+    no_decay: str = _key("wpe", "comma-separated regexes: parameters whose path matches get no weight decay")
+    decay_vectors: bool = _key(False, "decay 1-D parameters (norm scales, biases) too; GPT recipes don't")
     b1: float = _key(0.9, "AdamW beta1")
     b2: float = _key(0.95, "AdamW beta2")
     max_grad_norm: float = _key(1.0, "clip by the global gradient norm; 0 disables clipping")

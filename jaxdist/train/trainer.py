@@ -30,6 +30,7 @@ from jaxdist.train import hooks, run_dir
 from jaxdist.train import schedule as schedule_lib
 from jaxdist.train.checkpoint import CheckpointError, Checkpoints, check_same_model
 from jaxdist.train.config import ConfigError, TrainConfig, validate
+from jaxdist.train.decay_mask import adamw, decay_mask
 from jaxdist.train.gpt import FLAVORS, GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for
 from jaxdist.train.launch import initialize_args
 from jaxdist.train.report import info, warn
@@ -100,11 +101,12 @@ def make_mesh(cfg: TrainConfig, devices) -> jax.sharding.Mesh:
 
 
 def make_optimizer(cfg: TrainConfig, decay_steps: int | None = None) -> optax.GradientTransformation:
-    """AdamW on the warmup + cosine schedule of `decay_steps` steps (default: optim.decay_steps or run.steps)."""
+    """AdamW on the warmup + cosine schedule of `decay_steps` steps (default: optim.decay_steps or run.steps),
+    decaying the parameters `optim.no_decay` and `optim.decay_vectors` select (`decay_mask`)."""
     o = cfg.optim
     schedule = schedule_lib.make_schedule(o, decay_steps or o.decay_steps or cfg.run.steps)
-    # weight decay on every parameter: the strategies hand the optimizer flat shards, so no per-name mask
-    return optax.adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay), schedule
+    mask = decay_mask(o.no_decay, o.decay_vectors)
+    return adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=mask), schedule
 
 
 def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
