@@ -29,6 +29,7 @@ the unit's gradients are reduced (per-leaf optimizers only). FSDP
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -546,7 +547,12 @@ class ParallelRun:
 
     def canonical(self, state: TrainState) -> TrainState:
         """`state` in the canonical form (single-device shapes and order), resharded inside jit."""
-        return jax.jit(self._to_canonical, out_shardings=self.canonical_shardings())(state)
+        return self._canonical_fn(state)
+
+    @functools.cached_property
+    def _canonical_fn(self):
+        # built once: a new jit per call would retrace and recompile at every checkpoint
+        return jax.jit(self._to_canonical, out_shardings=self.canonical_shardings())
 
     def from_canonical(self, tree: TrainState) -> TrainState:
         """This run's state from a canonical one (e.g. restored from a checkpoint of another layout)."""

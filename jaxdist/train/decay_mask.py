@@ -26,11 +26,14 @@ def adamw(learning_rate, b1: float, b2: float, weight_decay: float, mask: Callab
     decay = optax.add_decayed_weights(weight_decay)
 
     def update(updates, state, params):
+        if not weight_decay:
+            return updates, state
         decayed, state = decay.update(updates, state, params)
         return jax.tree.map(lambda keep, d, u: d if keep else u, mask(params), decayed, updates), state
 
     def init(params):
-        mask(params)  # a pattern that matches nothing fails here, before the first step
+        if weight_decay:
+            mask(params)  # a pattern that matches nothing fails here, before the first step
         return decay.init(params)
 
     masked_decay = optax.GradientTransformation(init, update)
