@@ -1,15 +1,17 @@
 """Does a pipelined step's time follow the schedule's bubble, (p - 1) / (m + p - 1) for 1F1B?
 
-Method (overhead separated without assuming the formula): a fixed micro-batch size; m in
-{4, 8, 16} micro-batches (multiples of pp); each m under 1F1B and under interleaved 1F1B with
-v = 2 (the same model, pp and per-step overhead: optimizer, stage-weight all-to-all,
-data-axis reduction); the median wall time of `--steps` steps after 2 warm-up steps. The model
-of a tick-synchronous table: T = overhead + tau_s * ticks_s(m), with ticks_s(m) the table's
-tick count and tau_interleaved = tau_1f1b / 2 (a chunk is half a stage). Least squares over all
-points gives overhead and tau; the fit's residuals say whether the step follows the tables, and
-the measured bubble of 1F1B at m is (T(m) - overhead - tau * 2m) / (T(m) - overhead), to set
-against (p - 1) / (m + p - 1). The two schedules' different bubbles are what separate the
-overhead from the bubble; one schedule alone cannot.
+Method (overhead and per-tick cost separated without assuming the formula): a fixed
+micro-batch size; m in {4, 8, 16} micro-batches (multiples of pp); each m under 1F1B and under
+interleaved 1F1B with v = 2 (the same model, pp and per-step overhead: optimizer, stage-weight
+all-to-all, data-axis reduction); the median wall time of `--steps` steps after 2 warm-up steps.
+The model of a tick-synchronous table: T = c + N * (tau / v + delta), with N the table's tick
+count, tau a stage's work for one micro-batch pass (a chunk of the interleaved schedule is half
+a stage), delta the fixed cost of a tick (its send/recv, launches) and c the step's overhead.
+Least squares over the six points gives c, tau, delta; the fit's residuals say whether the step
+follows the tables. The measured bubble at m is the share of the pipelined time T - c that is
+not a rank's own 2 v m work ticks: 1 - 2 v m (tau / v + delta) / (T - c), to set against
+(p - 1) / (v m + p - 1). The two schedules' different tick counts are what separate c from
+the bubble; one schedule alone cannot.
 
 CPU: the simulated devices must run concurrently for a bubble to show (a rank waiting while
 another computes): give each pp rank its own core (an idle machine with >= pp cores). On the
@@ -91,28 +93,30 @@ def main() -> None:
     args = parser.parse_args()
     ms = [int(x) for x in args.ms.split(",")]
     p = args.pp
-    points = []  # (schedule, m, ticks, busy ticks of rank 0 in 1F1B units, seconds)
+    points = []  # (schedule, v, m, ticks, seconds)
     for name, v in (("1f1b", 1), ("interleaved", 2)):
         for m in ms:
-            ticks = len(ps.make(name, p, m, v).ticks) / v  # in 1F1B tick units
-            points.append((name, m, ticks, step_time(p, m, name, v, args)))
-    a = np.asarray([[1.0, t] for _, _, t, _ in points])
+            ticks = len(ps.make(name, p, m, v).ticks)
+            points.append((name, v, m, ticks, step_time(p, m, name, v, args)))
+    a = np.asarray([[1.0, n / v, n] for _, v, _, n, _ in points])
     y = np.asarray([s for *_, s in points])
-    (overhead, tau), *_ = np.linalg.lstsq(a, y, rcond=None)
+    (overhead, tau, delta), *_ = np.linalg.lstsq(a, y, rcond=None)
     rows = [
-        "| schedule | m | ticks (1F1B units) | step ms | fit ms | bubble, formula | bubble, measured |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| schedule | m | ticks | step ms | fit ms | bubble, formula | bubble, measured | measured / formula |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for name, m, ticks, sec in points:
-        v = 2 if name == "interleaved" else 1
+    for name, v, m, ticks, sec in points:
         formula = (p - 1) / (v * m + p - 1)
-        work = sec - overhead
-        measured = (work - tau * 2 * m) / work if work > 0 else float("nan")
-        fit = overhead + tau * ticks
+        measured = 1 - 2 * v * m * (tau / v + delta) / (sec - overhead)
+        fit = overhead + ticks * (tau / v + delta)
         rows.append(
-            f"| {name} | {m} | {ticks:g} | {sec * 1e3:.1f} | {fit * 1e3:.1f} | {formula:.3f} | {measured:.3f} |"
+            f"| {name} | {m} | {ticks} | {sec * 1e3:.1f} | {fit * 1e3:.1f} | {formula:.3f} | {measured:.3f} "
+            f"| {measured / formula:.2f} |"
         )
-    rows.append(f"\nfit: overhead {overhead * 1e3:.1f} ms, {tau * 1e3:.2f} ms per 1F1B tick")
+    rows.append(
+        f"\nfit: step overhead c = {overhead * 1e3:.2f} ms, stage work tau = {tau * 1e3:.2f} ms per micro-batch pass, "
+        f"tick cost delta = {delta * 1e3:.2f} ms"
+    )
     table = "\n".join(rows)
     print(table)
     if args.record:
