@@ -60,7 +60,7 @@ def _cpu_tie(*args, cpu_only=False):
 
 def _materialized(token):
     """The token through a float sqrt ({0, 1} -> {0, 1}). XLA's fusion copies cheap scalar code into
-    every consumer but never duplicates an expensive op, so the new token is computed once, here:
+    every consumer but does not duplicate an expensive op, so the new token is computed once, here:
     without it each later tie recomputed the whole chain of maxima and read every value ever tied,
     which kept each of them (e.g. every gathered unit of a step) alive to the end of the program."""
     return (jnp.sqrt(token.astype(jnp.float32)) > 0.5).astype(token.dtype)
