@@ -727,6 +727,9 @@ class ParallelRun:
         others = tuple(a for a in cfg.data_axes if a != axis)
 
         def gather_start(ws: dict, tok):
+            # pieces tied first: a unit gathered again for backward packs its own copy, which XLA cannot
+            # merge (CSE) with the forward's and keep alive from forward to backward
+            ws, tok = comm.tie(ws, tok)
             ws = self._in_compute_dtype(ws)  # before the gather: the collective moves the compute dtype
             sharded = [k for k in sorted(ws) if self._store_dim(k, ws[k]) is not None]
             if not sharded:
@@ -937,13 +940,18 @@ class ParallelRun:
         head_handle, tok = reduce.start(d_head, tok) if d_head else (None, tok)
 
         # backward: block i-1 fetched and block i+1's gradients reduced while block i computes
-        def backward(i, w, dx):
-            if cfg.regather:  # the same inputs and variables as forward: the same dropout masks
-                _, vjp, _ = jax.vjp(block_fn(i), w, saved_x[i], has_aux=True)
-            else:
-                vjp = saved_vjp[i]
+        def backward(i, w, carry):
+            if not cfg.regather:
+                dw, dx_in = saved_vjp[i](carry)
+                return dx_in, dw, None
+            # replayed on the saved input, which rides in the carry: tied like the gradient, after the
+            # next gather was issued, so the replay runs no earlier, on a value XLA cannot merge (CSE)
+            # with the forward's (nothing of the forward is kept for it, as after remat); the same
+            # inputs and variables as forward: the same dropout masks
+            dx, x = carry
+            _, vjp, _ = jax.vjp(block_fn(i), w, x, has_aux=True)
             dw, dx_in = vjp(dx)
-            return dx_in, dw, None
+            return (dx_in, saved_x[i - 1] if i else x), dw, None
 
         def finish(i, g, acc, tok):
             if in_backward:
@@ -954,7 +962,7 @@ class ParallelRun:
         fetch_input = (lambda i, _: block_unit(i)) if cfg.regather else (lambda i, _: saved_w[i])
         dx0, tok, per_block, _ = pipelined_loop(
             backward,
-            dx,
+            (dx, saved_x[-1]) if cfg.regather else dx,
             self.n_blocks,
             tok,
             fetch=fetch,
@@ -966,6 +974,8 @@ class ParallelRun:
             reverse=True,
             unroll=True,
         )
+        if cfg.regather:
+            dx0 = dx0[0]
         if in_backward:
             grads = {}
         elif self.units.stacked:  # the stacked leaves' gradients, layer by layer

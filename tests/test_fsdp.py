@@ -169,16 +169,6 @@ def memory(mesh):
     return out
 
 
-# Known regression since FSDP runs on the unit engine: its unrolled unit loops keep every unit's
-# gathered (8, S) buffer alive on XLA's CPU compiler (seen: 4.36 MB per layer at d=128, 5.5 gathered
-# units, vs the old scanned loop's activation + gradient shard). strict: fixing it makes these fail
-# until the marks go.
-ENGINE_MEMORY = pytest.mark.xfail(
-    strict=True, reason="the unit engine's unrolled loops hold every gathered unit (CPU): temp memory grows by units"
-)
-
-
-@ENGINE_MEMORY
 def test_temp_memory_grows_only_by_activations_and_gradient_shards(memory):
     unit = memory["unit_bytes"]  # one gathered block
     per_layer = (memory["fsdp", DEEP] - memory["fsdp", SHALLOW]) / (DEEP - SHALLOW)
@@ -193,7 +183,6 @@ def test_temp_memory_grows_only_by_activations_and_gradient_shards(memory):
     assert per_layer < auto_per_layer, memory
 
 
-@ENGINE_MEMORY
 def test_update_in_backward_temp_memory_does_not_grow_with_depth(memory):
     """Without the sharded gradients of all units at once, only the saved activations grow."""
     growth = memory["update_in_backward", DEEP] - memory["update_in_backward", SHALLOW]

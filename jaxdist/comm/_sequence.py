@@ -12,6 +12,8 @@ CPU compiler drops them before scheduling, so on CPU the tie is also made of
 data XLA cannot see through: each value passes a select on a predicate
 computed from the token that is never true, and the new token is a max over
 one element of each value. That costs one pass over the values, on CPU only.
+The new token is computed once (`_materialized`), so a tie never reads values
+tied before it and keeps none of them alive.
 """
 
 from __future__ import annotations
@@ -53,7 +55,15 @@ def _cpu_tie(*args, cpu_only=False):
     for v in values:
         if v.size:
             token = jnp.maximum(token, (v.reshape(-1)[0] > 1).astype(token.dtype))
-    return (*tied, token)
+    return (*tied, _materialized(token))
+
+
+def _materialized(token):
+    """The token through a float sqrt ({0, 1} -> {0, 1}). XLA's fusion copies cheap scalar code into
+    every consumer but does not duplicate an expensive op, so the new token is computed once, here:
+    without it each later tie recomputed the whole chain of maxima and read every value ever tied,
+    which kept each of them (e.g. every gathered unit of a step) alive to the end of the program."""
+    return (jnp.sqrt(token.astype(jnp.float32)) > 0.5).astype(token.dtype)
 
 
 sequence_p.def_impl(_cpu_tie)
