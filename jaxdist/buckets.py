@@ -33,8 +33,8 @@ DEFAULT_BUCKET_SIZE = 10_000_000  # elements: 40 MB of float32
 
 def shard_dim(shape: Sequence[int], ranks: int) -> int | None:
     """The dimension a parameter of `shape` is split along over `ranks` ranks: the largest that
-    `ranks` divides (the first of equals); None if none does or `ranks` is 1 (kept whole)."""
-    fits = [d for d, s in enumerate(shape) if ranks > 1 and s % ranks == 0]
+    `ranks` divides (the first of equals); None if none does (a scalar, an odd-sized bias)."""
+    fits = [d for d, s in enumerate(shape) if s % ranks == 0]
     return max(fits, key=lambda d: (shape[d], -d)) if fits else None
 
 
@@ -74,6 +74,12 @@ class Bucket:
     def segment(self) -> int:
         """Elements per rank segment (the whole buffer when `ranks` is 1)."""
         return self.size // self.ranks
+
+    @property
+    def sharded(self) -> bool:
+        """Rank-major (its parameters split along a dimension, even over one rank): reduce-scattered
+        and all-gathered; otherwise all-reduced."""
+        return self.slots[0].dim is not None
 
     def chunk(self, slot: Slot) -> int:
         """Elements of `slot` in each segment."""
@@ -165,9 +171,9 @@ def bucket_layout(
 
     end_align = math.lcm(dp, BUCKET_ALIGN, NCCL_BUSBW_ALIGN if pad_for_nccl else 1)
     dims = [shard_dim(leaf.shape, dp) if rank_major else None for leaf in leaves]
-    ranks_of = lambda leaf: 1 if dims[leaf] is None else dp
-    # a kind of bucket: (dtype, segments); kinds never share a bucket
-    kind_of = lambda leaf: (np.dtype(leaves[leaf].dtype), ranks_of(leaf))
+    # a kind of bucket: (dtype, sharded); kinds never share a bucket
+    kind_of = lambda leaf: (np.dtype(leaves[leaf].dtype), dims[leaf] is not None)
+    segments = lambda kind: dp if kind[1] else 1
     buckets: list[Bucket] = []
     open_slots: dict[tuple, list[Slot]] = {}
     open_used: dict[tuple, int] = {}  # per segment
@@ -176,7 +182,7 @@ def bucket_layout(
         slots = open_slots.pop(kind, [])
         used = open_used.pop(kind, 0)
         if slots:
-            dtype, ranks = kind
+            dtype, ranks = kind[0], segments(kind)
             size = ranks * _round_up(used, end_align // ranks)
             buckets.append(Bucket(len(buckets), dtype, tuple(slots), ranks * used, size, ranks))
 
@@ -191,7 +197,7 @@ def bucket_layout(
 
     def add(leaf):
         kind = kind_of(leaf)
-        ranks = kind[1]
+        ranks = segments(kind)
         offset = _round_up(open_used.get(kind, 0), _chunk_align(ranks))
         slot = Slot(leaf, names[leaf], tuple(leaves[leaf].shape), offset, dims[leaf])
         open_slots.setdefault(kind, []).append(slot)
@@ -208,7 +214,7 @@ def bucket_layout(
             continue
         kind = add(leaf)
         cap = limit(kind[0])
-        if cap is not None and open_used[kind] * kind[1] >= cap:
+        if cap is not None and open_used[kind] * segments(kind) >= cap:
             close(kind)
     for kind in list(open_slots):
         close(kind)
@@ -233,45 +239,45 @@ def param_name(path) -> str:
     return "/".join(parts)
 
 
-def _rows(x: jax.Array, slot: Slot, ranks: int) -> jax.Array:
-    """`x` (the whole parameter, or one rank's chunk with ranks=1) as `ranks` rows: row r is chunk r."""
-    if slot.dim is None:
-        return jnp.reshape(x, (ranks, -1))
-    return jnp.moveaxis(x, slot.dim, 0).reshape(ranks, -1)
+def _rows(x: jax.Array, slot: Slot, bucket: Bucket, rows: int) -> jax.Array:
+    """`x` (the whole parameter with rows=ranks, or one rank's chunk with rows=1) as `rows` rows:
+    row r is chunk r along the slot's dim (a bucket of one segment keeps the parameter's own order)."""
+    if slot.dim is None or bucket.ranks == 1:
+        return jnp.reshape(x, (rows, -1))
+    return jnp.moveaxis(x, slot.dim, 0).reshape(rows, -1)
 
 
-def _from_rows(rows: jax.Array, slot: Slot, rows_of_shape: int) -> jax.Array:
-    """The inverse of `_rows`: the parameter (or chunk) from its rows, `rows_of_shape` chunks along `dim`."""
-    if slot.dim is None:
+def _from_rows(rows: jax.Array, slot: Slot, bucket: Bucket) -> jax.Array:
+    """The inverse of `_rows`: the parameter (all rows) or one rank's chunk (one row)."""
+    if slot.dim is None or bucket.ranks == 1:
         return rows.reshape(slot.shape)
     d = slot.dim
-    moved = (slot.shape[d] * rows.shape[0] // rows_of_shape, *slot.shape[:d], *slot.shape[d + 1 :])
+    moved = (slot.shape[d] * rows.shape[0] // bucket.ranks, *slot.shape[:d], *slot.shape[d + 1 :])
     return jnp.moveaxis(rows.reshape(moved), 0, d)
 
 
-def _pack(bucket: Bucket, leaves, dtype, ranks: int) -> jax.Array:
-    """`ranks` segments of `bucket` (gaps and padding zeros): all of them from whole parameters, or one
-    (ranks=1) from this rank's chunks."""
+def _pack(bucket: Bucket, leaves, dtype, rows: int) -> jax.Array:
+    """`rows` segments of `bucket` (gaps and padding zeros): all of them from whole parameters, or one
+    (rows=1) from this rank's chunks."""
     dtype = bucket.dtype if dtype is None else dtype
     pieces, end = [], 0
     for slot in bucket.slots:
         if slot.offset > end:
-            pieces.append(jnp.zeros((ranks, slot.offset - end), dtype))
-        pieces.append(_rows(leaves[slot.leaf], slot, ranks).astype(dtype))
+            pieces.append(jnp.zeros((rows, slot.offset - end), dtype))
+        pieces.append(_rows(leaves[slot.leaf], slot, bucket, rows).astype(dtype))
         end = slot.offset + bucket.chunk(slot)
     if bucket.segment > end:
-        pieces.append(jnp.zeros((ranks, bucket.segment - end), dtype))
+        pieces.append(jnp.zeros((rows, bucket.segment - end), dtype))
     return jnp.concatenate(pieces, axis=1).reshape(-1)
 
 
-def _unpack(bucket: Bucket, flat: jax.Array, dtype, ranks: int) -> dict[int, jax.Array]:
+def _unpack(bucket: Bucket, flat: jax.Array, dtype, rows: int) -> dict[int, jax.Array]:
     dtype = bucket.dtype if dtype is None else dtype
-    rows = flat.reshape(ranks, bucket.segment)
-    out = {}
-    for s in bucket.slots:
-        piece = rows[:, s.offset : s.offset + bucket.chunk(s)]
-        out[s.leaf] = _from_rows(piece, s, bucket.ranks).astype(dtype)
-    return out
+    segments = flat.reshape(rows, bucket.segment)
+    return {
+        s.leaf: _from_rows(segments[:, s.offset : s.offset + bucket.chunk(s)], s, bucket).astype(dtype)
+        for s in bucket.slots
+    }
 
 
 def pack_bucket(bucket: Bucket, leaves: Sequence, dtype=None) -> jax.Array:

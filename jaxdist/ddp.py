@@ -211,7 +211,7 @@ class DDPRun:
         """Each parameter's spec: split over the axis along its slot's dimension in a rank-major
         bucket (zero1), else replicated."""
         specs = [P()] * len(self.param_avals)
-        for s in (s for b in self.layout.buckets if b.ranks > 1 for s in b.slots):
+        for s in (s for b in self.layout.buckets if b.sharded for s in b.slots):
             specs[s.leaf] = P(*[self.cfg.axis if d == s.dim else None for d in range(len(s.shape))])
         return specs
 
@@ -330,7 +330,7 @@ class DDPRun:
         closed = self._grad_jaxpr()
         n = len(self.param_avals)
         by_bucket = {i: self._bucket_of[i] for i in range(n)}
-        gathered = {i: b for i, b in by_bucket.items() if self.layout.buckets[b].ranks > 1}
+        gathered = {i: b for i, b in by_bucket.items() if self.layout.buckets[b].sharded}
         sched = _BucketSchedule(self, tok, params, first_use_order(closed, gathered), n_stored)
         leaves = list(params)
         if gathered and (a > 1 or not cfg.overlap_param_gather):
@@ -434,7 +434,7 @@ class _BucketSchedule(Schedule):
         op = "mean"
         if not self.cfg.average_in_collective:
             flat, op = flat * np.asarray(1 / self.cfg.dp, dtype), "sum"
-        start = comm.reduce_scatter_start if bucket.ranks > 1 else comm.all_reduce_start
+        start = comm.reduce_scatter_start if bucket.sharded else comm.all_reduce_start
         handle, self.tok = start(flat, self.cfg.axis, self.tok, op=op, backend=self.cfg.backend)
         if self.pending:
             self._finish_oldest()

@@ -170,8 +170,16 @@ def test_rank_major_layout_splits_each_parameter_along_its_largest_divisible_dim
     params, layout = rank_major_case()
     slots = {s.name: (s.dim, b.ranks) for b in layout.buckets for s in b.slots}
     assert slots == {"w": (1, 4), "b": (None, 1), "k": (0, 4), "h": (0, 4)}
+    assert [b.sharded for b in layout.buckets] == [b.ranks == 4 for b in layout.buckets]
     assert all(b.size % math.lcm(4, 128) == 0 for b in layout.buckets)
     assert "segments" in str(layout)
+    # over one rank every parameter with a dimension is still "split" (reduce-scattered and gathered
+    # over that rank, as ZeRO-1 on one GPU does), laid out in its own order
+    one = bucket_layout(params, 1, bucket_size=None, rank_major=True)
+    assert {b.sharded for b in one.buckets} == {True} and {b.ranks for b in one.buckets} == {1}
+    back = unpack(one, pack(one, params))
+    for k in params:
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(params[k]))
 
 
 def test_rank_major_segments_hold_each_ranks_chunks():

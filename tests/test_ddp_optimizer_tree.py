@@ -4,7 +4,7 @@ shapes, paths or a global norm train exactly as on one device (issue 13, item 4)
 The model is not the GPT: a layer norm and two dense layers whose last bias has 7 elements, which no
 dp divides, so it stays replicated (all-reduced) while everything else is sharded (reduce-scattered).
 Each case trains 3 steps of the same global batches on one device (optax on the `nnx.State`) and under
-DDP zero1 over dp=8, and over dp=4 of a (4, 2) mesh. Tolerances are tests/test_ddp.py's: losses rtol
+DDP zero1 over dp=8, over dp=4 of a (4, 2) mesh, and over one device (what the GPU tests run). Tolerances are tests/test_ddp.py's: losses rtol
 5e-6, parameters atol 1e-4 per element and 5e-7 mean (float32 rounding of the mean of per-rank means).
 Optax applied to flat bucket shards misses them by orders of magnitude: a mask or label callable sees
 1-D buffers (no kernels, no "bias" paths) and each shard is clipped by its own norm.
@@ -77,7 +77,7 @@ OPTIMIZERS = {
     ),
     "clip-by-global-norm": (lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(0.5)), 30.0),
 }
-MESHES = {"dp8": ((8,), ("dp",)), "dp4x2": ((4, 2), ("dp", "x"))}
+MESHES = {"dp8": ((8,), ("dp",)), "dp4x2": ((4, 2), ("dp", "x")), "dp1": ((1,), ("dp",))}
 
 
 def unclipped_norm(batches) -> float:
@@ -129,5 +129,5 @@ def test_zero1_state_is_the_parameter_tree_sharded_per_parameter():
     for path in (("hidden", "kernel"), ("out", "kernel"), ("out", "bias")):
         p, m = params[path[0]][path[1]], mu[path[0]][path[1]]
         assert m.shape == p.shape and m.sharding.is_equivalent_to(p.sharding, p.ndim)
-    kinds = {b.ranks for b in run.layout.buckets}
-    assert kinds == {1, 8}  # rank-major buckets and the replicated bias's own
+    kinds = {(b.sharded, b.ranks) for b in run.layout.buckets}
+    assert kinds == {(True, 8), (False, 1)}  # rank-major buckets and the replicated bias's own
