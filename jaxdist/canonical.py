@@ -1,7 +1,7 @@
 """The canonical train state: one form of a run's state that every layout converts to and from.
 
-A strategy stores parameters and optimizer state in its own layout (flat
-bucket shards, tp pieces in storage order, ...). The canonical form is what a
+A strategy stores parameters and optimizer state in its own layout (an nnx.State,
+tp pieces in storage order, ...). The canonical form is what a
 single-device optax run holds: parameters as the model's pure dict (keyed by
 parameter path, single-device shapes), the optimizer state of
 `optimizer.init(params)` on that dict, the step, and the model's other

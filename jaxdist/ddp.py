@@ -67,8 +67,9 @@ class DDP:
     Attributes:
       mesh: the device mesh; only `axis` is used (other axes see replicated work).
       axis: the data-parallel mesh axis.
-      zero1: shard the optimizer state (and the parameters between steps) over
-        `axis`: reduce-scatter gradients, update shards, all-gather parameters.
+      zero1: shard each parameter and its optimizer state over `axis` (along its
+        largest dimension the axis divides): reduce-scatter gradients, update
+        the sharded tree, all-gather parameters in the next forward.
       bucket_size / bucket_bytes / first_bucket_size / pad_for_nccl / shared:
         the bucket layout, see `jaxdist.buckets.bucket_layout`.
       average_in_collective: True reduces with "mean"; False scales the
@@ -142,7 +143,8 @@ class DDP:
 
 
 class DDPRun:
-    """A prepared DDP run: `state`, `step(state, batch) -> (state, metrics)`, `layout`."""
+    """A prepared DDP run: `state`, `step(state, batch) -> (state, metrics)`, `layout` (the buckets),
+    `state_shardings`, `params(state)`, `model(state)` and the canonical conversions."""
 
     def __init__(self, cfg: DDP, model, optimizer, loss_fn, batch):
         self.cfg = cfg
@@ -366,7 +368,7 @@ class DDPRun:
                 sched.ready(b, {first_grad + s.leaf: grads[s.leaf] for s in self.layout.buckets[b].slots})
         reduced = {}
         for bucket, flat in zip(self.layout.buckets, sched.drain(), strict=True):
-            reduced.update(unpack_shard(bucket, flat, flat.dtype))  # local: a slice and a reshape per parameter
+            reduced.update(unpack_shard(bucket, flat, flat.dtype))  # local: slice, reshape, transpose
         loss = (loss_sum + loss.astype(jnp.float32)) / a
         loss, tok = comm.all_reduce(loss, cfg.axis, sched.tok, op="mean", backend=cfg.backend)
         new_model_state, _ = self.model_state.after_step(model_state, stored, cfg.axis, tok, cfg.backend)
