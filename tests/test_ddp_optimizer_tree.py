@@ -8,7 +8,8 @@ neither dp=8 nor dp=4 divides, so it stays replicated (all-reduced) while everyt
 the GPU tests run). Tolerances are tests/test_ddp.py's: losses rtol 5e-6, parameters atol 1e-4 per
 element and 5e-7 mean (float32 rounding of the mean of per-rank means). Optax applied to flat
 bucket shards (the former ZeRO-1) misses by 3e-3 to 0.3 in the loss: a mask or label callable sees
-1-D buffers (no kernels, no "bias" paths) and each shard is clipped by its own norm.
+1-D buffers (no kernels, no "bias" paths) and each shard is clipped by its own norm (over one
+device the clip case passed before too: one rank's shards are the whole tree).
 """
 
 import jax
