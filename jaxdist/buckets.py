@@ -273,11 +273,14 @@ def _pack(bucket: Bucket, leaves, dtype, rows: int) -> jax.Array:
 
 def _unpack(bucket: Bucket, flat: jax.Array, dtype, rows: int) -> dict[int, jax.Array]:
     dtype = bucket.dtype if dtype is None else dtype
-    segments = flat.reshape(rows, bucket.segment)
-    return {
-        s.leaf: _from_rows(segments[:, s.offset : s.offset + bucket.chunk(s)], s, bucket).astype(dtype)
-        for s in bucket.slots
-    }
+    out = {}
+    for s in bucket.slots:
+        # contiguous slices, stacked: XLA's CPU backend runs a strided slice of the (rows, segment)
+        # view of a gathered buffer far slower (a tiny GPT's ZeRO-1 step: 380 ms vs 250 ms)
+        starts = [r * bucket.segment + s.offset for r in range(rows)]
+        piece = jnp.stack([flat[a : a + bucket.chunk(s)] for a in starts])
+        out[s.leaf] = _from_rows(piece, s, bucket).astype(dtype)
+    return out
 
 
 def pack_bucket(bucket: Bucket, leaves: Sequence, dtype=None) -> jax.Array:

@@ -323,9 +323,12 @@ def test_zero1_gathers_overlap_forward_and_scatters_overlap_backward(mesh):
     gathers = positions(sched, "all-gather", "1152]")
     scatters = positions(sched, "reduce-scatter", "144]")
     assert len(gathers) == 6 and len(scatters) == 6
-    # the last bucket's gather comes after the first forward matmul, each gather one layer ahead
+    # the last bucket's gather comes after the first forward matmul, each gather one layer ahead:
+    # bucket k's gather is issued before layer k's matmul (its use) and no earlier than after layer
+    # k-2's (it waits for the previous bucket's gather and for the compute that reads that bucket)
     assert gathers[-1] > matmuls[0]
-    assert [sum(m < g for m in matmuls) for g in gathers] == [0, 1, 2, 3, 4, 5]
+    before = [sum(m < g for m in matmuls) for g in gathers]
+    assert before[0] == 0 and all(k - 1 <= n <= k for k, n in enumerate(before)), before
     # the first gradient bucket is reduce-scattered before the last backward matmul
     assert scatters[0] < matmuls[-1]
     assert sum(m > scatters[0] for m in matmuls) >= 4
