@@ -1,14 +1,18 @@
-"""What every strategy's train step shares: the train state, the batch check, the shard_map wrapper."""
+"""What every strategy's train step shares: the train state, the batch check, the placed
+jit, and the optimizer side of a step in global view (norm, clip, update, skip)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import optax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+
+from jaxdist.model_state import keep_if
 
 
 @jax.tree_util.register_dataclass
@@ -36,32 +40,6 @@ def local_batch_avals(batch, ranks: int, who: str, fix: str):
     return jax.tree.map(local, batch)
 
 
-def sharded_step(
-    local_step: Callable,
-    mesh: jax.sharding.Mesh,
-    state: TrainState,
-    batch,
-    *,
-    param_specs,
-    opt_specs,
-    batch_spec: P,
-    metrics: Sequence[str],
-) -> tuple[TrainState, dict]:
-    """Run `local_step(params, opt_state, model_state, step, batch) -> (params, opt_state, model_state,
-    metrics)` under shard_map (the batch placed along `batch_spec`; model state, step and metrics
-    replicated) and count the step."""
-    batch = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, batch_spec)), batch)
-    body = jax.shard_map(
-        local_step,
-        mesh=mesh,
-        in_specs=(param_specs, opt_specs, P(), P(), batch_spec),
-        out_specs=(param_specs, opt_specs, P(), {name: P() for name in metrics}),
-        check_vma=False,
-    )
-    params, opt_state, model_state, out = body(state.params, state.opt_state, state.model_state, state.step, batch)
-    return TrainState(params, opt_state, state.step + 1, model_state), out
-
-
 class PlacedStep:
     """`jit(step, donate state)` whose batch is first put on the strategy's own batch sharding.
 
@@ -83,3 +61,42 @@ class PlacedStep:
 
     def lower(self, state, batch):
         return self.jitted.lower(state, self._place(batch))
+
+
+def optimizer_step(
+    optimizer: optax.GradientTransformation,
+    params,
+    opt_state,
+    grads,
+    *,
+    max_grad_norm: float | None = None,
+    skip_nonfinite: bool = True,
+) -> tuple[Any, Any, jax.Array, jax.Array]:
+    """The optimizer side of a step on the parameter tree, in global view (outside shard_map, on
+    sharded arrays): XLA adds the reductions a global norm needs, so any optax transformation
+    (masks, multi_transform, clip_by_global_norm) is exactly what it is on one device.
+
+    Args:
+      optimizer: the optax transformation.
+      params, opt_state: the current parameters and optimizer state.
+      grads: the reduced gradients, shaped like `params` (in the reduction's dtype: the norm and
+        the clip are taken in it, then each is cast to its parameter's dtype).
+      max_grad_norm: clip the gradients to this global L2 norm (None: no clip).
+      skip_nonfinite: keep parameters and optimizer state when the norm is NaN/Inf.
+
+    Returns:
+      `(params, opt_state, grad_norm, skipped)`.
+    """
+    leaves = jax.tree.leaves(grads)
+    norm = jnp.sqrt(sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves), jnp.zeros((), jnp.float32)))
+    if max_grad_norm is not None:
+        scale = jnp.minimum(1.0, max_grad_norm / (norm + 1e-6))
+        grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    updates, new_opt = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    skipped = jnp.zeros((), jnp.bool_)
+    if skip_nonfinite:
+        skipped = ~jnp.isfinite(norm)  # a NaN/Inf anywhere makes the global norm non-finite
+        new_params, new_opt = keep_if(skipped, (new_params, new_opt), (params, opt_state))
+    return new_params, new_opt, norm, skipped

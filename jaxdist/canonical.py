@@ -1,7 +1,7 @@
 """The canonical train state: one form of a run's state that every layout converts to and from.
 
-A strategy stores parameters and optimizer state in its own layout (flat
-bucket shards, tp pieces in storage order, ...). The canonical form is what a
+A strategy stores parameters and optimizer state in its own layout (an nnx.State,
+tp pieces in storage order, ...). The canonical form is what a
 single-device optax run holds: parameters as the model's pure dict (keyed by
 parameter path, single-device shapes), the optimizer state of
 `optimizer.init(params)` on that dict, the step, and the model's other
@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist._step import TrainState
+from jaxdist.buckets import shard_dim
 from jaxdist.per_leaf import owners
 
 
@@ -30,10 +31,9 @@ def split_largest_dim(shape: tuple, mesh: jax.sharding.Mesh, axis: str | None) -
     """Sharded over `axis` along the largest dimension it divides (the first of equals); replicated
     if none does (or no axis)."""
     n = mesh.shape[axis] if axis else 1
-    fits = [d for d, s in enumerate(shape) if n > 1 and s % n == 0]
-    if not fits:
+    dim = shard_dim(shape, n) if n > 1 else None
+    if dim is None:
         return NamedSharding(mesh, P())
-    dim = max(fits, key=lambda d: (shape[d], -d))
     return NamedSharding(mesh, P(*[axis if d == dim else None for d in range(len(shape))]))
 
 

@@ -4,12 +4,22 @@
 NNX model, an optax optimizer and a loss function; you get back the sharded
 train state and a jitted train step over the mesh axis `dp`.
 
+The state's parameters are the model's parameter tree and the optimizer sees
+that tree, so any optax transformation (masks, `multi_transform` by path,
+`clip_by_global_norm` in a chain) trains exactly as on one device: the update
+runs in global view, outside the per-device program, where XLA adds the
+reductions a global norm needs. Flat buckets are communication buffers only.
+
 Plain DDP keeps parameters and optimizer state replicated and all-reduces the
-gradients bucket by bucket. With `zero1=True` the state is the parameters'
-bucket shards and the optimizer state of those shards (1/dp per device); the
-gradients are reduce-scattered, each rank updates its shard, and the next
-step's forward all-gathers the parameters bucket by bucket, each gather in
-flight while the previous bucket's layers compute.
+gradients bucket by bucket. With `zero1=True` each parameter is sharded over
+the axis along its largest dimension the axis size divides (its optimizer
+state likewise; 1/dp per device), a bucket's buffer is rank-major (segment r
+holds chunk r of each of its parameters, `jaxdist.buckets`), so the
+gradients' reduce-scatter leaves each rank its chunk of every parameter, and
+the next step's forward all-gathers the parameters bucket by bucket, each
+gather in flight while the previous bucket's layers compute. Parameters no
+dimension of which the axis size divides (an odd-sized bias) stay replicated
+and are all-reduced, in buckets of their own.
 
 The overlap is data flow, not hooks: the step is traced to a jaxpr and
 evaluated equation by equation (`jaxdist._interleave`). A bucket's reduction
@@ -36,16 +46,17 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
 from jaxdist._interleave import LAZY, Schedule, eval_interleaved, first_use_order
-from jaxdist._step import TrainState, local_batch_avals, sharded_step
-from jaxdist.buckets import DEFAULT_BUCKET_SIZE, BucketLayout, bucket_layout, pack_bucket, unpack_bucket
-from jaxdist.canonical import (
-    canonical_avals,
-    check_canonical,
-    mirror_map,
-    resharding,
-    split_largest_dim,
-    with_shardings,
+from jaxdist._step import PlacedStep, TrainState, local_batch_avals, optimizer_step
+from jaxdist.buckets import (
+    DEFAULT_BUCKET_SIZE,
+    BucketLayout,
+    bucket_layout,
+    pack_bucket,
+    pack_shard,
+    unpack_bucket,
+    unpack_shard,
 )
+from jaxdist.canonical import canonical_avals, check_canonical, mirror_map, resharding, with_shardings
 from jaxdist.model_state import ModelState, keep_if, split_for_training
 
 
@@ -56,8 +67,9 @@ class DDP:
     Attributes:
       mesh: the device mesh; only `axis` is used (other axes see replicated work).
       axis: the data-parallel mesh axis.
-      zero1: shard the optimizer state (and the parameters between steps) over
-        `axis`: reduce-scatter gradients, update shards, all-gather parameters.
+      zero1: shard each parameter and its optimizer state over `axis` (along its
+        largest dimension the axis divides): reduce-scatter gradients, update
+        the sharded tree, all-gather parameters in the next forward.
       bucket_size / bucket_bytes / first_bucket_size / pad_for_nccl / shared:
         the bucket layout, see `jaxdist.buckets.bucket_layout`.
       average_in_collective: True reduces with "mean"; False scales the
@@ -70,8 +82,8 @@ class DDP:
         same as without accumulation.
       skip_nonfinite: when any gradient is NaN/Inf, keep parameters and
         optimizer state unchanged and report `skipped=True`.
-      max_grad_norm: clip the reduced gradient to this global L2 norm (exact
-        under zero1 too, unlike an optax clip applied to shards).
+      max_grad_norm: clip the reduced gradient to this global L2 norm (the
+        same as `optax.clip_by_global_norm` first in a chain).
       overlap_grad_reduce: start each bucket's reduction during backward.
       overlap_param_gather: (zero1) gather each bucket during the forward,
         just ahead of its first use; otherwise gather everything first.
@@ -121,9 +133,8 @@ class DDP:
             it in train mode; its other variables (dropout RNG streams, batch
             statistics) are the train state's `model_state`: see
             `jaxdist.model_state` for how they advance per rank and step.
-          optimizer: an optax transformation. Under zero1 it sees each bucket's
-            flat shard as one leaf, so it must be elementwise (adam, adamw
-            without a mask, sgd, lion, ...); use `max_grad_norm` for clipping.
+          optimizer: any optax transformation; it sees the model's parameter
+            tree (an `nnx.State`, sharded over `axis` under zero1), as on one device.
           loss_fn: `loss_fn(model, batch) -> scalar` mean loss of a batch.
           batch: an example global batch (arrays or ShapeDtypeStructs); every
             leaf's leading dimension is the batch and is split over `axis`.
@@ -132,12 +143,18 @@ class DDP:
 
 
 class DDPRun:
-    """A prepared DDP run: `state`, `step(state, batch) -> (state, metrics)`, `layout`."""
+    """A prepared DDP run: `state`, `step(state, batch) -> (state, metrics)`, `layout` (the buckets),
+    `state_shardings`, `params(state)`, `model(state)` and the canonical conversions."""
 
     def __init__(self, cfg: DDP, model, optimizer, loss_fn, batch):
         self.cfg = cfg
         self.optimizer = optimizer
         self.loss_fn = loss_fn
+        # outside the per-device program XLA places the optimizer math: Auto axes let it propagate
+        # the parameters' shardings whatever the user's mesh says (as the unit engine does)
+        self.mesh = jax.sharding.Mesh(
+            cfg.mesh.devices, cfg.mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(cfg.mesh.axis_names)
+        )
         self.graphdef, params, rest = split_for_training(model)
         self.model_state = ModelState(rest)
         stored = self.model_state.store(rest)
@@ -157,9 +174,11 @@ class DDPRun:
             forward_order=order,
             shared=cfg.shared,
             pad_for_nccl=cfg.pad_for_nccl,
+            rank_major=cfg.zero1,
         )
+        self.state_shardings = self._state_shardings()
         self.state = self._init_state(params, stored)
-        self.step = jax.jit(self._step, donate_argnums=0)
+        self.step = PlacedStep(self._step, self._sharding(self.batch_spec))
 
     # -- tracing helpers -----------------------------------------------------
 
@@ -183,38 +202,47 @@ class DDPRun:
     # -- state ---------------------------------------------------------------
 
     def _sharding(self, spec) -> NamedSharding:
-        return NamedSharding(self.cfg.mesh, spec)
+        return NamedSharding(self.mesh, spec)
+
+    @functools.cached_property
+    def _bucket_of(self) -> dict[int, int]:
+        return {s.leaf: b.index for b in self.layout.buckets for s in b.slots}
+
+    @functools.cached_property
+    def _leaf_specs(self) -> list[P]:
+        """Each parameter's spec: split over the axis along its slot's dimension in a rank-major
+        bucket (zero1), else replicated."""
+        specs = [P()] * len(self.param_avals)
+        for s in (s for b in self.layout.buckets if b.sharded for s in b.slots):
+            specs[s.leaf] = P(*[self.cfg.axis if d == s.dim else None for d in range(len(s.shape))])
+        return specs
+
+    def _state_shardings(self) -> TrainState:
+        """Where the state lives: parameters as `_leaf_specs`, the optimizer state mirroring a parameter
+        like it, everything else replicated."""
+        replicated = self._sharding(P())
+        params = self.treedef.unflatten(
+            [
+                jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._sharding(spec))
+                for a, spec in zip(self.param_avals, self._leaf_specs, strict=True)
+            ]
+        )
+        opt = mirror_map(
+            jax.eval_shape(self.optimizer.init, params), params, lambda _, p: p.sharding, lambda _: replicated
+        )
+        model_state = jax.tree.map(lambda _: replicated, self.stored_avals)
+        return TrainState(jax.tree.map(lambda p: p.sharding, params), opt, replicated, model_state)
 
     def _init_state(self, params, stored) -> TrainState:
-        leaves = self.treedef.flatten_up_to(params)
-        if self.cfg.zero1:
-            shard = self._sharding(P(self.cfg.axis))
-            pack_all = jax.jit(lambda ls: tuple(pack_bucket(b, ls) for b in self.layout.buckets), out_shardings=shard)
-            state_params = pack_all(leaves)
-        else:
-            state_params = jax.device_put(params, self._sharding(P()))
-        opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_shardings(state_params))(state_params)
-        step = jax.device_put(jnp.zeros((), jnp.int32), self._sharding(P()))
-        return TrainState(state_params, opt_state, step, jax.device_put(stored, self._sharding(P())))
-
-    def _opt_specs(self, params):
-        """Under zero1 every non-scalar optimizer leaf is a bucket shard; everything else is replicated."""
-        shapes = jax.eval_shape(self.optimizer.init, params)
-        split = self.cfg.zero1
-        return jax.tree.map(lambda s: P(self.cfg.axis) if split and s.ndim >= 1 else P(), shapes)
-
-    def _opt_shardings(self, params):
-        return jax.tree.map(self._sharding, self._opt_specs(params), is_leaf=lambda x: isinstance(x, P))
+        shardings = self.state_shardings
+        params = jax.jit(lambda p: p, out_shardings=shardings.params)(params)
+        opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
+        step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+        return TrainState(params, opt_state, step, jax.device_put(stored, self._sharding(P())))
 
     def params(self, state: TrainState):
         """The full parameters (an `nnx.State`, replicated) of `state`."""
-        if not self.cfg.zero1:
-            return state.params
-        full = jax.device_put(state.params, self._sharding(P()))
-        leaves = {}
-        for bucket, flat in zip(self.layout.buckets, full, strict=True):
-            leaves.update(unpack_bucket(bucket, flat))
-        return self.treedef.unflatten([leaves[i] for i in range(len(leaves))])
+        return jax.device_put(state.params, self._sharding(P()))
 
     def model(self, state: TrainState) -> nnx.Module:
         """An NNX model (in train mode; call `.eval()` for inference) holding the parameters and the
@@ -223,17 +251,16 @@ class DDPRun:
         return nnx.merge(self.graphdef, self.params(state), rest)
 
     # -- the canonical state (jaxdist.canonical) ------------------------------
+    # The parameters are already the model's tree, sharded as the canonical form is: converting
+    # is renaming (an nnx.State <-> its pure dict), no data moves.
 
     def canonical_shardings(self) -> TrainState:
-        """Where the canonical state lives: under zero1 each parameter (and its optimizer state) split over
-        the axis along its largest dimension that divides, so no device holds a whole copy; else replicated."""
-        avals = self._canonical_avals()
-        replicated = self._sharding(P())
-        split = lambda a: split_largest_dim(a.shape, self.cfg.mesh, self.cfg.axis if self.cfg.zero1 else None)
-        params = jax.tree.map(split, avals.params)
-        placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), avals.params, params)
-        opt = mirror_map(avals.opt_state, placed, lambda _, p: p.sharding, lambda _: replicated)
-        return TrainState(params, opt, replicated, jax.tree.map(lambda _: replicated, avals.model_state))
+        """Where the canonical state lives: where this run stores it (under zero1 each parameter and its
+        optimizer state split over the axis along its largest dimension that divides; else replicated)."""
+        own = self.state_shardings
+        params = self.pure_treedef.unflatten(jax.tree.leaves(own.params))
+        opt = jax.tree.structure(self._canonical_avals().opt_state).unflatten(jax.tree.leaves(own.opt_state))
+        return TrainState(params, opt, own.step, own.model_state)
 
     def _canonical_avals(self) -> TrainState:
         return canonical_avals(self.optimizer, self.pure_treedef.unflatten(self.param_avals), self.stored_avals)
@@ -246,73 +273,56 @@ class DDPRun:
     def from_canonical(self, tree: TrainState) -> TrainState:
         """This run's state from a canonical one (e.g. restored from a checkpoint of another layout)."""
         check_canonical(tree, self._canonical_avals(), "DDP")
-        return resharding(self._from_canonical, self.cfg.mesh, self._state_shardings())(tree)
+        return resharding(self._from_canonical, self.cfg.mesh, self.state_shardings)(tree)
 
     def canonical_target(self) -> TrainState:
         """The canonical state's ShapeDtypeStructs with shardings (what a checkpoint restores onto)."""
         return with_shardings(self._canonical_avals(), self.canonical_shardings())
 
-    def _state_shardings(self) -> TrainState:
-        replicated = self._sharding(P())
-        if self.cfg.zero1:
-            params = tuple(jax.ShapeDtypeStruct((b.size,), b.dtype) for b in self.layout.buckets)
-        else:
-            params = self.treedef.unflatten(self.param_avals)
-        params_sharding = jax.tree.map(lambda _: self._sharding(P(self.cfg.axis) if self.cfg.zero1 else P()), params)
-        model_state = jax.tree.map(lambda _: replicated, self.stored_avals)
-        return TrainState(params_sharding, self._opt_shardings(params), replicated, model_state)
-
     def _to_canonical(self, state: TrainState) -> TrainState:
-        if self.cfg.zero1:
-            params = self._unpack(state.params)
-            opt = optax.tree_utils.tree_map_params(
-                self.optimizer, self._unpack, state.opt_state, is_leaf=lambda v: isinstance(v, tuple)
-            )
-        else:
-            params = self.pure_treedef.unflatten(jax.tree.leaves(state.params))
-            opt = jax.tree.structure(self._canonical_avals().opt_state).unflatten(jax.tree.leaves(state.opt_state))
+        params = self.pure_treedef.unflatten(jax.tree.leaves(state.params))
+        opt = jax.tree.structure(self._canonical_avals().opt_state).unflatten(jax.tree.leaves(state.opt_state))
         return TrainState(params, opt, state.step, state.model_state)
 
     def _from_canonical(self, tree: TrainState) -> TrainState:
-        if self.cfg.zero1:
-            params = self._pack(tree.params)
-            opt = optax.tree_utils.tree_map_params(
-                self.optimizer, self._pack, tree.opt_state, is_leaf=lambda v: isinstance(v, dict)
-            )
-        else:
-            params = self.treedef.unflatten(jax.tree.leaves(tree.params))
-            own = jax.eval_shape(self.optimizer.init, params)
-            opt = jax.tree.structure(own).unflatten(jax.tree.leaves(tree.opt_state))
+        params = self.treedef.unflatten(jax.tree.leaves(tree.params))
+        opt = jax.tree.structure(self.state_shardings.opt_state).unflatten(jax.tree.leaves(tree.opt_state))
         return TrainState(params, opt, tree.step, tree.model_state)
-
-    def _unpack(self, flats) -> dict:
-        """A pure parameter dict from one flat buffer per bucket (parameters, or optimizer moments in
-        their own dtype)."""
-        leaves = {}
-        for bucket, flat in zip(self.layout.buckets, flats, strict=True):
-            leaves.update(unpack_bucket(bucket, flat, flat.dtype))
-        return self.pure_treedef.unflatten([leaves[i] for i in range(len(leaves))])
-
-    def _pack(self, pure: dict) -> tuple:
-        leaves = self.pure_treedef.flatten_up_to(pure)
-        return tuple(pack_bucket(b, leaves, leaves[b.slots[0].leaf].dtype) for b in self.layout.buckets)
 
     # -- the step ------------------------------------------------------------
 
     def _step(self, state: TrainState, batch):
+        """The gradients of each rank's batch, reduced bucket by bucket inside shard_map (each rank
+        gets its chunk of every sharded parameter's gradient); then the optimizer in global view."""
         cfg = self.cfg
-        return sharded_step(
-            self._local_step,
-            cfg.mesh,
-            state,
-            batch,
-            param_specs=P(cfg.axis) if cfg.zero1 else P(),
-            opt_specs=self._opt_specs(state.params),
-            batch_spec=self.batch_spec,
-            metrics=("loss", "grad_norm", "skipped"),
+        batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self._sharding(self.batch_spec)), batch)
+        specs = self._leaf_specs
+        body = jax.shard_map(
+            self._local_grads,
+            mesh=self.mesh,
+            in_specs=(specs, P(), P(), self.batch_spec),
+            out_specs=(specs, P(), P()),
+            check_vma=False,
         )
+        leaves = self.treedef.flatten_up_to(state.params)
+        grads, model_state, loss = body(leaves, state.model_state, state.step, batch)
+        params, opt_state, norm, skipped = optimizer_step(
+            self.optimizer,
+            state.params,
+            state.opt_state,
+            self.treedef.unflatten(grads),
+            max_grad_norm=cfg.max_grad_norm,
+            skip_nonfinite=cfg.skip_nonfinite,
+        )
+        model_state = keep_if(skipped, model_state, state.model_state)
+        params = jax.lax.with_sharding_constraint(params, self.state_shardings.params)
+        opt_state = jax.lax.with_sharding_constraint(opt_state, self.state_shardings.opt_state)
+        new = TrainState(params, opt_state, state.step + 1, model_state)
+        return new, {"loss": loss, "grad_norm": norm, "skipped": skipped}
 
-    def _local_step(self, params, opt_state, model_state, step, batch):
+    def _local_grads(self, params: list, model_state, step, batch):
+        """This rank's `(reduced gradient leaves, model state after the step, mean loss)`: whole
+        gradients of replicated parameters, this rank's chunk of sharded ones."""
         cfg = self.cfg
         tok = comm.token()
         a = cfg.accumulation_steps
@@ -322,13 +332,15 @@ class DDPRun:
         closed = self._grad_jaxpr()
         n = len(self.param_avals)
         by_bucket = {i: self._bucket_of[i] for i in range(n)}
-        sched = _BucketSchedule(self, tok, params if cfg.zero1 else None, first_use_order(closed, by_bucket), n_stored)
-        if cfg.zero1 and (a > 1 or not cfg.overlap_param_gather):
-            leaves = sched.gather_all()
-        elif cfg.zero1:
-            leaves = [LAZY] * n
+        gathered = {i: b for i, b in by_bucket.items() if self.layout.buckets[b].sharded}
+        sched = _BucketSchedule(self, tok, params, first_use_order(closed, gathered), n_stored)
+        leaves = list(params)
+        if gathered and (a > 1 or not cfg.overlap_param_gather):
+            for i, x in sched.gather_all().items():
+                leaves[i] = x
         else:
-            leaves = self.treedef.flatten_up_to(params)
+            for i in gathered:
+                leaves[i] = LAZY
         loss_sum = jnp.zeros((), jnp.float32)
         if a > 1:  # no_sync micro-batches: local gradients only, summed; the model state runs on through them
             grad_fn = self._grad_fn()
@@ -343,7 +355,7 @@ class DDPRun:
             (loss_sum, acc, stored), _ = jax.lax.scan(accumulate, (loss_sum, zeros, stored), first)
             sched.accumulated = acc
         last = jax.tree.map(lambda x: x[-1], micro)
-        lazy = by_bucket if leaves[0] is LAZY else {}
+        lazy = {i: b for i, b in gathered.items() if leaves[i] is LAZY}
         first_grad = 1 + n_stored  # outputs: loss, model state, gradients
         watch = {first_grad + i: b for i, b in by_bucket.items()}
         args = [*leaves, *jax.tree.leaves(stored), *jax.tree.leaves(last)]
@@ -354,40 +366,13 @@ class DDPRun:
         if not cfg.overlap_grad_reduce:
             for b in range(len(self.layout)):
                 sched.ready(b, {first_grad + s.leaf: grads[s.leaf] for s in self.layout.buckets[b].slots})
-        reduced = sched.drain()
+        reduced = {}
+        for bucket, flat in zip(self.layout.buckets, sched.drain(), strict=True):
+            reduced.update(unpack_shard(bucket, flat, flat.dtype))  # local: slice, reshape, transpose
         loss = (loss_sum + loss.astype(jnp.float32)) / a
         loss, tok = comm.all_reduce(loss, cfg.axis, sched.tok, op="mean", backend=cfg.backend)
-        new_model_state, tok = self.model_state.after_step(model_state, stored, cfg.axis, tok, cfg.backend)
-        new_params, new_opt, metrics = self._update(params, opt_state, reduced, loss, tok)
-        return new_params, new_opt, keep_if(metrics["skipped"], new_model_state, model_state), metrics
-
-    @functools.cached_property
-    def _bucket_of(self) -> dict[int, int]:
-        return {s.leaf: b.index for b in self.layout.buckets for s in b.slots}
-
-    def _update(self, params, opt_state, reduced: list, loss, tok):
-        cfg = self.cfg
-        sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in reduced)
-        if cfg.zero1:  # each rank holds a shard: the global norm needs the other ranks' squares
-            sq, tok = comm.all_reduce(sq, cfg.axis, tok, op="sum", backend=cfg.backend)
-        norm = jnp.sqrt(sq)
-        if cfg.max_grad_norm is not None:
-            scale = jnp.minimum(1.0, cfg.max_grad_norm / (norm + 1e-6))
-            reduced = [(g * scale).astype(g.dtype) for g in reduced]
-        if cfg.zero1:
-            grads = tuple(g.astype(b.dtype) for g, b in zip(reduced, self.layout.buckets, strict=True))
-        else:
-            unpacked = {}
-            for bucket, flat in zip(self.layout.buckets, reduced, strict=True):
-                unpacked.update(unpack_bucket(bucket, flat, bucket.dtype))
-            grads = self.treedef.unflatten([unpacked[i] for i in range(len(unpacked))])
-        updates, new_opt = self.optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        skipped = jnp.zeros((), jnp.bool_)
-        if cfg.skip_nonfinite:
-            skipped = ~jnp.isfinite(norm)  # a NaN/Inf anywhere makes the global norm non-finite
-            new_params, new_opt = keep_if(skipped, (new_params, new_opt), (params, opt_state))
-        return new_params, new_opt, {"loss": loss, "grad_norm": norm, "skipped": skipped}
+        new_model_state, _ = self.model_state.after_step(model_state, stored, cfg.axis, tok, cfg.backend)
+        return [reduced[i] for i in range(n)], new_model_state, loss
 
 
 class _BucketSchedule(Schedule):
@@ -397,29 +382,31 @@ class _BucketSchedule(Schedule):
     oldest pending one is waited when the next starts, and the following
     equation is tied to that wait, so at most two reductions are in flight and
     each overlaps the backward compute between two buckets.
-    Parameters (zero1): the gather of the next bucket in forward order starts
-    when the current one is waited, just before its first use.
+    Parameters (zero1): the gather of the next rank-major bucket in forward
+    order starts when the current one is waited, just before its first use.
+    A rank-major bucket's gradients are reduce-scattered, a one-segment
+    bucket's (plain DDP; zero1's parameters kept whole) all-reduced.
     """
 
-    def __init__(self, run: DDPRun, tok, shards, gather_order, n_stored: int):
+    def __init__(self, run: DDPRun, tok, chunks: list, gather_order, n_stored: int):
         self.cfg, self.layout = run.cfg, run.layout
         self.first_grad = 1 + n_stored  # the index of the first gradient among the step's outputs
         self.tok = tok
-        self.shards = shards
+        self.chunks = chunks  # this rank's piece of every parameter (whole where replicated)
         self.accumulated = None
         self.pending: list[tuple[int, Any]] = []
         self.reduced: dict[int, jax.Array] = {}
         self.tie_next = False
         self.gathers: dict[int, Any] = {}
         self.gather_order = gather_order  # buckets in the order the forward first reads them
-        if shards is not None:
-            self._start_gather(0)
+        self._start_gather(0)
 
     def _start_gather(self, position: int):
         if position < len(self.gather_order):
             b = self.gather_order[position]
+            segment = pack_shard(self.layout.buckets[b], self.chunks)  # the copy into the communication buffer
             self.gathers[b], self.tok = comm.all_gather_start(
-                self.shards[b], self.cfg.axis, self.tok, tiled=True, backend=self.cfg.backend
+                segment, self.cfg.axis, self.tok, tiled=True, backend=self.cfg.backend
             )
 
     def _wait_gather(self, b: int) -> dict[int, jax.Array]:
@@ -427,11 +414,12 @@ class _BucketSchedule(Schedule):
         self._start_gather(self.gather_order.index(b) + 1)
         return unpack_bucket(self.layout.buckets[b], flat)
 
-    def gather_all(self) -> list:
+    def gather_all(self) -> dict[int, jax.Array]:
+        """Every gathered parameter, by leaf index."""
         leaves = {}
         for b in list(self.gather_order):
             leaves.update(self._wait_gather(b))
-        return [leaves[i] for i in range(len(leaves))]
+        return leaves
 
     def fetch(self, b, ties):
         ties, self.tok = comm.tie(ties, self.tok)  # the gather of the next bucket waits for this compute
@@ -448,7 +436,7 @@ class _BucketSchedule(Schedule):
         op = "mean"
         if not self.cfg.average_in_collective:
             flat, op = flat * np.asarray(1 / self.cfg.dp, dtype), "sum"
-        start = comm.reduce_scatter_start if self.cfg.zero1 else comm.all_reduce_start
+        start = comm.reduce_scatter_start if bucket.sharded else comm.all_reduce_start
         handle, self.tok = start(flat, self.cfg.axis, self.tok, op=op, backend=self.cfg.backend)
         if self.pending:
             self._finish_oldest()
@@ -466,7 +454,8 @@ class _BucketSchedule(Schedule):
         return inputs
 
     def drain(self) -> list:
-        """Finish every reduction (and any unread gather); the reduced buckets in bucket order."""
+        """Finish every reduction (and any unread gather); the reduced buckets (this rank's segment of
+        a rank-major one) in bucket order."""
         while self.pending:
             self._finish_oldest()
         for b in list(self.gathers):

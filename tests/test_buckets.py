@@ -5,12 +5,14 @@ parameters start on multiples of 64 elements, a bucket closes once it holds
 `bucket_size` elements, and its end is padded to a multiple of lcm(dp=8, 128) = 128.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist.buckets import bucket_layout, pack, unpack
+from jaxdist.buckets import bucket_layout, pack, pack_bucket, pack_shard, unpack, unpack_shard
 
 N_LAYERS, DIM = 10, 95
 
@@ -131,7 +133,8 @@ def test_layout_prints_as_a_table():
     params, order = linear_stack(bias=True)
     text = str(bucket_layout(params, 8, bucket_size=20000, forward_order=order))
     lines = text.splitlines()
-    assert lines[0].split() == ["bucket", "dtype", "params", "used", "size", "padding", "first", "..", "last"]
+    header = ["bucket", "dtype", "params", "used", "size", "padding", "segments", "first", "..", "last"]
+    assert lines[0].split() == header
     assert lines[1].split()[:6] == ["0", "float32", "6", "27585", "27648", "63"]
     assert lines[-1] == "4 buckets, 92160 elements, dp=8"
 
@@ -150,3 +153,55 @@ def test_bad_layout_arguments_raise(kwargs, message):
     kwargs = {"dp": 8, **kwargs}
     with pytest.raises(ValueError, match=message):
         bucket_layout(params, **kwargs)
+
+
+def rank_major_case():
+    rng = np.random.default_rng(1)
+    params = {
+        "w": jnp.asarray(rng.normal(size=(6, 16)), jnp.float32),  # split along dim 1 (16 > 6)
+        "b": jnp.asarray(rng.normal(size=(7,)), jnp.float32),  # no dimension 4 divides: whole
+        "k": jnp.asarray(rng.normal(size=(8, 4, 3)), jnp.float32),  # dim 0 (the first of 8 and 4)
+        "h": jnp.asarray(rng.normal(size=(12,)), jnp.bfloat16),
+    }
+    return params, bucket_layout(params, 4, bucket_size=None, rank_major=True)
+
+
+def test_rank_major_layout_splits_each_parameter_along_its_largest_divisible_dim():
+    params, layout = rank_major_case()
+    slots = {s.name: (s.dim, b.ranks) for b in layout.buckets for s in b.slots}
+    assert slots == {"w": (1, 4), "b": (None, 1), "k": (0, 4), "h": (0, 4)}
+    assert [b.sharded for b in layout.buckets] == [b.ranks == 4 for b in layout.buckets]
+    assert all(b.size % math.lcm(4, 128) == 0 for b in layout.buckets)
+    assert "segments" in str(layout)
+    # over one rank every parameter with a dimension is still "split" (reduce-scattered and gathered
+    # over that rank, as ZeRO-1 on one GPU does), laid out in its own order
+    one = bucket_layout(params, 1, bucket_size=None, rank_major=True)
+    assert {b.sharded for b in one.buckets} == {True} and {b.ranks for b in one.buckets} == {1}
+    back = unpack(one, pack(one, params))
+    for k in params:
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(params[k]))
+
+
+def test_rank_major_segments_hold_each_ranks_chunks():
+    """A reduce-scatter of the buffer gives rank r segment r: it must hold exactly rank r's slice of
+    every parameter along its dim (numpy slicing is the reference), and an all-gather of the
+    segments packed from the slices must be the buffer, whose unpack is the parameters."""
+    params, layout = rank_major_case()
+    leaves = layout.treedef.flatten_up_to(params)
+    for bucket in layout.buckets:
+        flat = pack_bucket(bucket, leaves)
+        assert flat.shape == (bucket.size,)
+        for r in range(bucket.ranks):
+            segment = flat[r * bucket.segment : (r + 1) * bucket.segment]
+            chunks = {}
+            for s in bucket.slots:
+                x = np.asarray(leaves[s.leaf].astype(jnp.float32))
+                n = s.shape[s.dim] // bucket.ranks if s.dim is not None else None
+                chunks[s.leaf] = x if s.dim is None else np.take(x, range(r * n, (r + 1) * n), axis=s.dim)
+            for leaf, piece in unpack_shard(bucket, segment).items():
+                np.testing.assert_array_equal(np.asarray(piece.astype(jnp.float32)), chunks[leaf])
+            packed = pack_shard(bucket, {k: jnp.asarray(v, bucket.dtype) for k, v in chunks.items()})
+            np.testing.assert_array_equal(np.asarray(packed), np.asarray(segment))
+    back = unpack(layout, pack(layout, params))
+    for k in params:
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(params[k]))

@@ -55,11 +55,12 @@ def assert_opt_close(actual, expected):
 
 # every layout with AdamW; SGD-momentum (scale sensitive: a gradient summed instead of averaged, or a
 # moment in bucket order, shows) where the layout reorders; a masked AdamW (weight decay on matrices
-# only: masked optimizer states hold empty nodes) on plain DDP and the engine
+# only: masked optimizer states hold empty nodes) on plain DDP, ZeRO-1 and the engine
 CASES = [(layout, "adamw-schedule") for layout in LAYOUTS] + [
     ("zero1-8", "sgd-momentum"),
     ("dp4xtp2", "sgd-momentum"),
     ("ddp8", "masked-adamw"),
+    ("zero1-8", "masked-adamw"),
     ("dp4xtp2", "masked-adamw"),
 ]
 OPTIMIZERS = {

@@ -37,7 +37,7 @@ def saved(tmp_path_factory):
     ckpt.close()
 
 
-@pytest.mark.parametrize(("layout", "ways"), [("fsdp8", 8), ("fsdp-tp2x2x2", 4)])
+@pytest.mark.parametrize(("layout", "ways"), [("fsdp8", 8), ("fsdp-tp2x2x2", 4), ("zero1-8", 8)])
 def test_restore_reads_and_converts_per_device_shares_only(saved, layout, ways):
     run = LAYOUTS[layout](make_model(), optax.adam(1e-2), batches(1)[0])
     total = state_bytes(run.canonical_target())

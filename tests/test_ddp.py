@@ -184,13 +184,12 @@ def test_zero1_shards_the_optimizer_state(mesh):
         sizes[zero1] = (total, per_device)
         if zero1:
             for x in leaves:  # read from the arrays: each device holds a distinct 1/8 slice
-                starts = sorted(s.index[0].start for s in x.addressable_shards)
-                assert len(set(starts)) == 8 and x.addressable_shards[0].data.shape[0] * 8 == x.shape[0]
+                indices = {tuple((i.start, i.stop) for i in s.index) for s in x.addressable_shards}
+                assert len(indices) == 8 and x.addressable_shards[0].data.size * 8 == x.size
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(make_model(), nnx.Param)))
     assert sizes[False][1] == sizes[False][0] == 2 * 4 * n_params  # adam's mu and nu, replicated
     total, per_device = sizes[True]
-    assert per_device * 8 == total  # 1/dp per device
-    assert total >= 2 * 4 * n_params  # bucket padding only adds
+    assert per_device * 8 == total == 2 * 4 * n_params  # 1/dp per device (every GPT dimension divides by 8)
 
 
 def test_accumulation_equals_one_big_batch(mesh):
@@ -324,9 +323,12 @@ def test_zero1_gathers_overlap_forward_and_scatters_overlap_backward(mesh):
     gathers = positions(sched, "all-gather", "1152]")
     scatters = positions(sched, "reduce-scatter", "144]")
     assert len(gathers) == 6 and len(scatters) == 6
-    # the last bucket's gather comes after the first forward matmul, each gather one layer ahead
+    # the last bucket's gather comes after the first forward matmul, each gather one layer ahead:
+    # bucket k's gather is issued before layer k's matmul (its use) and no earlier than after layer
+    # k-2's (it waits for the previous bucket's gather and for the compute that reads that bucket)
     assert gathers[-1] > matmuls[0]
-    assert [sum(m < g for m in matmuls) for g in gathers] == [0, 1, 2, 3, 4, 5]
+    before = [sum(m < g for m in matmuls) for g in gathers]
+    assert before[0] == 0 and all(k - 1 <= n <= k for k, n in enumerate(before)), before
     # the first gradient bucket is reduce-scattered before the last backward matmul
     assert scatters[0] < matmuls[-1]
     assert sum(m > scatters[0] for m in matmuls) >= 4
