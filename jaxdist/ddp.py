@@ -268,7 +268,12 @@ class DDPRun:
     def canonical(self, state: TrainState) -> TrainState:
         """`state` in the canonical form (parameters as the model's pure dict, the optimizer state of
         `optimizer.init` on it), resharded inside jit onto `canonical_shardings()`."""
-        return resharding(self._to_canonical, self.cfg.mesh, self.canonical_shardings())(state)
+        return self._canonical_fn(state)
+
+    @functools.cached_property
+    def _canonical_fn(self):
+        # built once: a new jit per call would retrace and recompile at every checkpoint
+        return resharding(self._to_canonical, self.cfg.mesh, self.canonical_shardings())
 
     def from_canonical(self, tree: TrainState) -> TrainState:
         """This run's state from a canonical one (e.g. restored from a checkpoint of another layout)."""

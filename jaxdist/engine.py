@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import comm
 from jaxdist import tp as tp_math
 from jaxdist._pipeline import AsyncOp, check_buffers, kept, pipelined_loop
-from jaxdist._step import PlacedStep, TrainState, local_batch_avals
+from jaxdist._step import PlacedStep, TrainState, local_batch_avals, optimizer_step
 from jaxdist._tp_grads import tp_summed
 from jaxdist.canonical import canonical_avals, check_canonical, mirror_map, with_shardings
 from jaxdist.model_state import ModelState, keep_if, training_copy
@@ -854,17 +854,15 @@ class ParallelRun:
             check_vma=False,
         )
         grads, model_state, metrics = body(state.params, state.model_state, state.step, batch)
-        norm = optax.global_norm(grads)
-        if cfg.max_grad_norm is not None:
-            scale = jnp.minimum(1.0, cfg.max_grad_norm / (norm + 1e-6))
-            grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        skipped = jnp.zeros((), jnp.bool_)
+        params, opt_state, norm, skipped = optimizer_step(
+            self.optimizer,
+            state.params,
+            state.opt_state,
+            grads,
+            max_grad_norm=cfg.max_grad_norm,
+            skip_nonfinite=cfg.skips_nonfinite,
+        )
         if cfg.skips_nonfinite:
-            skipped = ~jnp.isfinite(norm)
-            keep = lambda new, old: jnp.where(skipped, old, new)
-            params, opt_state = jax.tree.map(keep, (params, opt_state), (state.params, state.opt_state))
             model_state = keep_if(skipped, model_state, state.model_state)
         params = jax.lax.with_sharding_constraint(params, self.state_shardings.params)
         opt_state = jax.lax.with_sharding_constraint(opt_state, self.state_shardings.opt_state)
