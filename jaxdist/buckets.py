@@ -32,10 +32,11 @@ DEFAULT_BUCKET_SIZE = 10_000_000  # elements: 40 MB of float32
 
 
 def shard_dim(shape: Sequence[int], ranks: int) -> int | None:
-    """The dimension a parameter of `shape` is split along over `ranks` ranks: the largest that
-    `ranks` divides (the first of equals); None if none does (a scalar, an odd-sized bias)."""
-    fits = [d for d, s in enumerate(shape) if s % ranks == 0]
-    return max(fits, key=lambda d: (shape[d], -d)) if fits else None
+    """The dimension a parameter of `shape` is split along over `ranks` ranks: the first that
+    `ranks` divides, so a chunk is contiguous in memory wherever the leading dimension divides
+    (packing a bucket and unpacking its gather are then reshapes, not transposes); None if none
+    does (a scalar, an odd-sized bias)."""
+    return next((d for d, s in enumerate(shape) if s % ranks == 0), None)
 
 
 @dataclasses.dataclass(frozen=True)
