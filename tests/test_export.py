@@ -3,11 +3,11 @@ without jaxdist (the README's snippet, below), and `run.init_from=OUT` starts a 
 
 import jax
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from layouts import GPT_CFG, LAYOUTS, batches, make_model
+from layouts import GPT_CFG, LAYOUTS, OPTIMIZER, batches, make_model
+from test_train import BASE
 
 from jaxdist.train import config as config_lib
 from jaxdist.train.checkpoint import CheckpointError, Checkpoints
@@ -29,7 +29,8 @@ def readme_load(path, model):
 def test_export_of_a_tp_run_loads_with_flax_alone_as_the_runs_own_parameters(tmp_path, capsys):
     """dp x tp stores the fused qkv columns in another order: the export is the model's own order."""
     data = batches(1)
-    run = LAYOUTS["dp4xtp2"](make_model(), optax.adam(1e-2), data[0])
+    # the optimizer of tests/layouts.py: the step and the conversion are compiles the session already has
+    run = LAYOUTS["dp4xtp2"](make_model(), OPTIMIZER, data[0])
     state, _ = run.step(run.state, data[0])
     ckpt = Checkpoints(tmp_path / "run", keep=1)
     ckpt.save(1, run.canonical(state), {"model": "tiny"})
@@ -46,10 +47,8 @@ def test_export_of_a_tp_run_loads_with_flax_alone_as_the_runs_own_parameters(tmp
     assert "already exists" in capsys.readouterr().err
 
 
-BASE = ["model.flavor=tiny", "data.batch_size=16", "run.progress=false", "optim.warmup_steps=1"]
-
-
 def test_init_from_starts_a_new_run_from_exported_parameters(tmp_path):
+    # test_train's settings: the 2-step run is a program of tests/test_train_run.py (its second step learns)
     train(config_lib.load(None, [*BASE, "run.steps=2", f"run.out_dir={tmp_path / 'a'}"]))
     assert main(["export", str(tmp_path / "a"), str(tmp_path / "a.params")]) == 0
     # lr 0: the new run's checkpoint holds exactly the parameters it started from

@@ -217,10 +217,14 @@ def test_1f1b_activation_memory_does_not_grow_with_the_microbatch_count():
 
 
 def test_the_trainers_parallel_pp_trains_as_ddp_does(tmp_path):
+    from test_train import BASE
+
     from jaxdist.train import config as config_lib
     from jaxdist.train.trainer import train
 
-    base = ["model.flavor=tiny", "data.batch_size=16", "run.progress=false", "run.steps=3", "run.checkpoint_every=-1"]
+    # test_train's settings (a 2-step warmup: the learning rate is not near zero in these 3 steps), so the
+    # DDP run is the program of its plotted run, compiled once per session
+    base = [*BASE, "run.steps=3", "run.checkpoint_every=-1"]
     load = lambda name, *extra: config_lib.load(None, [*base, f"run.out_dir={tmp_path / name}", *extra])
     ddp = train(load("ddp"))
     pipelined = train(load("pp", "parallel.pp=2", "parallel.tp=2", "parallel.microbatches=2"))  # pp2 x dp2 x tp2

@@ -48,12 +48,13 @@ def test_restore_onto_another_mesh_gives_the_same_next_loss(tmp_path):
 
 
 def test_two_processes_match_one_process_with_eight_devices(tmp_path):
-    single = train(cfg(tmp_path, "parallel.tp=2", "run.steps=3", "run.checkpoint_every=-1", name="single"))
+    # 6 steps: the one-process run is the uninterrupted run of test_resume's dp4xtp2 case (compiled once)
+    single = train(cfg(tmp_path, "parallel.tp=2", "run.steps=6", "run.checkpoint_every=-1", name="single"))
     out = tmp_path / "multi"
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-m", "jaxdist.train.cli", "launch", "-n", "2", "--cpu-devices", "4", "--"]
-    cmd += ["jaxdist", "train", *BASE, "parallel.tp=2", "run.steps=3", "run.checkpoint_every=-1", f"run.out_dir={out}"]
+    cmd += ["jaxdist", "train", *BASE, "parallel.tp=2", "run.steps=6", "run.checkpoint_every=-1", f"run.out_dir={out}"]
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
