@@ -116,14 +116,14 @@ def test_zero1_with_a_tree_optimizer_matches_one_device(opt, mesh_name):
 
 
 def test_zero1_state_is_the_parameter_tree_sharded_per_parameter():
-    """Each parameter keeps its shape, split over dp along its largest divisible dimension (the
-    7-element bias replicated); the optimizer state mirroring it is sharded the same way."""
+    """Each parameter keeps its shape, split over dp along its first divisible dimension (contiguous
+    chunks; the 7-element bias replicated); the optimizer state mirroring it is sharded the same way."""
     mesh = cpu_mesh((8,), ("dp",))
     run = DDP(mesh, zero1=True).prepare(Net(nnx.Rngs(0)), optax.adam(1e-2), net_loss, make_batches()[0])
     params = run.state.params
     assert jax.tree.structure(params) == jax.tree.structure(nnx.state(Net(nnx.Rngs(0)), nnx.Param))
     local = lambda x: x.addressable_shards[0].data.shape
-    assert params["hidden"]["kernel"].shape == (16, 32) and local(params["hidden"]["kernel"]) == (16, 4)
+    assert params["hidden"]["kernel"].shape == (16, 32) and local(params["hidden"]["kernel"]) == (2, 32)
     assert local(params["out"]["kernel"]) == (4, 7)
     assert local(params["norm"]["scale"]) == (2,)
     assert local(params["out"]["bias"]) == (7,)  # no dimension 8 divides: replicated
