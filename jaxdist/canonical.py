@@ -19,22 +19,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxdist._step import TrainState
-from jaxdist.buckets import shard_dim
 from jaxdist.per_leaf import owners
-
-
-def split_largest_dim(shape: tuple, mesh: jax.sharding.Mesh, axis: str | None) -> NamedSharding:
-    """Sharded over `axis` along the largest dimension it divides (the first of equals); replicated
-    if none does (or no axis)."""
-    n = mesh.shape[axis] if axis else 1
-    dim = shard_dim(shape, n) if n > 1 else None
-    if dim is None:
-        return NamedSharding(mesh, P())
-    return NamedSharding(mesh, P(*[axis if d == dim else None for d in range(len(shape))]))
 
 
 def mirror_map(opt_tree, params, on_mirror: Callable[[Any, Any], Any], on_other: Callable[[Any], Any]):

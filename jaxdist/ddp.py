@@ -12,7 +12,7 @@ reductions a global norm needs. Flat buckets are communication buffers only.
 
 Plain DDP keeps parameters and optimizer state replicated and all-reduces the
 gradients bucket by bucket. With `zero1=True` each parameter is sharded over
-the axis along its largest dimension the axis size divides (its optimizer
+the axis along the first dimension the axis size divides (its optimizer
 state likewise; 1/dp per device), a bucket's buffer is rank-major (segment r
 holds chunk r of each of its parameters, `jaxdist.buckets`), so the
 gradients' reduce-scatter leaves each rank its chunk of every parameter, and
@@ -68,7 +68,7 @@ class DDP:
       mesh: the device mesh; only `axis` is used (other axes see replicated work).
       axis: the data-parallel mesh axis.
       zero1: shard each parameter and its optimizer state over `axis` (along its
-        largest dimension the axis divides): reduce-scatter gradients, update
+        first dimension the axis divides): reduce-scatter gradients, update
         the sharded tree, all-gather parameters in the next forward.
       bucket_size / bucket_bytes / first_bucket_size / pad_for_nccl / shared:
         the bucket layout, see `jaxdist.buckets.bucket_layout`.
@@ -256,7 +256,7 @@ class DDPRun:
 
     def canonical_shardings(self) -> TrainState:
         """Where the canonical state lives: where this run stores it (under zero1 each parameter and its
-        optimizer state split over the axis along its largest dimension that divides; else replicated)."""
+        optimizer state split over the axis along the first dimension that divides; else replicated)."""
         own = self.state_shardings
         params = self.pure_treedef.unflatten(jax.tree.leaves(own.params))
         opt = jax.tree.structure(self._canonical_avals().opt_state).unflatten(jax.tree.leaves(own.opt_state))

@@ -166,7 +166,7 @@ def rank_major_case():
     return params, bucket_layout(params, 4, bucket_size=None, rank_major=True)
 
 
-def test_rank_major_layout_splits_each_parameter_along_its_largest_divisible_dim():
+def test_rank_major_layout_splits_each_parameter_along_its_first_divisible_dim():
     params, layout = rank_major_case()
     slots = {s.name: (s.dim, b.ranks) for b in layout.buckets for s in b.slots}
     assert slots == {"w": (1, 4), "b": (None, 1), "k": (0, 4), "h": (0, 4)}
