@@ -10,31 +10,14 @@ import jax
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 from layouts import DATA, LAYOUTS, OPTIMIZER, SPLIT, batches, make_model
 from test_ddp import assert_params_close
+from test_engine import reference_run
 
 from jaxdist.train.gpt import next_token_loss
 
 STEPS = 3
 SGD_MOMENTUM = optax.sgd(0.1, momentum=0.9)
-
-
-def single_device(optimizer, data):
-    """The reference: the model's own loss over the global batch, optax on the pure parameter dict."""
-    graphdef, params, rest = nnx.split(make_model(), nnx.Param, ...)
-    pure = nnx.to_pure_dict(params)
-    opt_state = optimizer.init(pure)
-
-    @jax.jit
-    def step(p, s, batch):
-        loss, g = jax.value_and_grad(lambda p: next_token_loss(nnx.merge(graphdef, p, rest), batch))(p)
-        updates, s = optimizer.update(g, s, p)
-        return optax.apply_updates(p, updates), s
-
-    for batch in data:
-        pure, opt_state = step(pure, opt_state, batch)
-    return pure, opt_state
 
 
 def trained(layout, optimizer, data):
@@ -80,7 +63,7 @@ def test_canonical_state_is_the_single_device_state_and_round_trips_exactly(trai
         run, state = trained(layout, OPTIMIZERS[optimizer], data)
         canonical = run.canonical(state)
     optimizer = OPTIMIZERS[optimizer]
-    ref_params, ref_opt = single_device(optimizer, data)
+    _, ref_params, _, ref_opt = reference_run(make_model, next_token_loss, data, optimizer)
     assert_params_close(canonical.params, ref_params)
     assert_opt_close(canonical.opt_state, ref_opt)
     assert int(canonical.step) == STEPS

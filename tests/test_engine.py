@@ -34,7 +34,13 @@ def gpt_batches(n, seed=0):
 
 
 def reference(make_model, loss_fn, batches, optimizer):
-    """Single device: the model's own loss over the global batch, optax on the pure parameter dict."""
+    """Single device: the model's own loss over the global batch, optax on the pure parameter dict:
+    `(losses, params, grad norms)`."""
+    return reference_run(make_model, loss_fn, batches, optimizer)[:3]
+
+
+def reference_run(make_model, loss_fn, batches, optimizer):
+    """`reference`, and the optimizer state after the last step: `(losses, params, grad norms, opt_state)`."""
     graphdef, params, rest = nnx.split(make_model(), nnx.Param, ...)
     pure = nnx.to_pure_dict(params)
     opt_state = optimizer.init(pure)
@@ -50,7 +56,7 @@ def reference(make_model, loss_fn, batches, optimizer):
         pure, opt_state, loss, norm = step(pure, opt_state, batch)
         losses.append(float(loss))
         norms.append(float(norm))
-    return losses, pure, norms
+    return losses, pure, norms, opt_state
 
 
 def engine_run(strategy: Parallel, make_model, units, batches, optimizer):
