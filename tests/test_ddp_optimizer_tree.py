@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 from meshes import cpu_mesh
 from test_ddp import LOSS_RTOL, assert_params_close, reference_run
+from test_engine import reference
 
 from jaxdist.ddp import DDP
 
@@ -101,11 +102,15 @@ def test_zero1_with_a_tree_optimizer_matches_one_device(opt, mesh_name):
         make_model(), make_optimizer(), net_loss, batches[0]
     )
     assert len(run.layout) >= 3  # several buckets, the replicated bias in one of its own
-    state, losses = run.state, []
+    state, losses, norms = run.state, [], []
     for batch in batches:
         state, metrics = run.step(state, batch)
         losses.append(float(metrics["loss"]))
+        norms.append(float(metrics["grad_norm"]))
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    # the reported norm is the whole gradient's (before any clip), as one device computes it
+    _, _, ref_norms = reference(make_model, net_loss, batches, make_optimizer())
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
     assert_params_close(run.params(state), ref_params)
     initial = nnx.state(make_model(), nnx.Param)
     moved = [
