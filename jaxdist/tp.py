@@ -61,12 +61,12 @@ reduce_from_tp.defvjp(
 )
 
 
-def _gather_seq(x, axis, backend):
-    return comm.all_gather(x, axis, comm.token("tp"), axis=1, backend=backend)[0]
+def _gather_seq(x, axis, backend, dim):
+    return comm.all_gather(x, axis, comm.token("tp"), axis=dim, backend=backend)[0]
 
 
-def _scatter_seq(x, axis, backend):
-    return comm.reduce_scatter(x, axis, comm.token("tp"), op="sum", scatter_axis=1, backend=backend)[0]
+def _scatter_seq(x, axis, backend, dim):
+    return comm.reduce_scatter(x, axis, comm.token("tp"), op="sum", scatter_axis=dim, backend=backend)[0]
 
 
 def gather_whole(x, axis: str, dim: int, backend: str | None = None):
@@ -84,32 +84,36 @@ def gather_whole(x, axis: str, dim: int, backend: str | None = None):
     return jax.lax.psum(placed, axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def gather_sequence(x, axis: str, backend: str | None = None):
-    """Sequence parallelism: all-gather the sequence dim (1) in forward, reduce-scatter it in backward."""
-    return _gather_seq(x, axis, backend)
+# Sequence parallelism splits one token dimension `dim` of the activations over tp: the
+# sequence (1), or the leading (batch) dimension, whose collectives need no transposes on GPU.
 
 
-def _gather_seq_bwd(axis, backend, _, g):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gather_sequence(x, axis: str, backend: str | None = None, dim: int = 1):
+    """Sequence parallelism: all-gather the token dim `dim` in forward, reduce-scatter it in backward."""
+    return _gather_seq(x, axis, backend, dim)
+
+
+def _gather_seq_bwd(axis, backend, dim, _, g):
     with jax.named_scope(SCOPE):
-        return (_scatter_seq(g, axis, backend),)
+        return (_scatter_seq(g, axis, backend, dim),)
 
 
-gather_sequence.defvjp(lambda x, axis, backend: (_gather_seq(x, axis, backend), None), _gather_seq_bwd)
+gather_sequence.defvjp(lambda x, axis, backend, dim: (_gather_seq(x, axis, backend, dim), None), _gather_seq_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def scatter_sequence(x, axis: str, backend: str | None = None):
-    """Sequence parallelism: reduce-scatter the sequence dim (1) in forward, all-gather it in backward."""
-    return _scatter_seq(x, axis, backend)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def scatter_sequence(x, axis: str, backend: str | None = None, dim: int = 1):
+    """Sequence parallelism: reduce-scatter the token dim `dim` in forward, all-gather it in backward."""
+    return _scatter_seq(x, axis, backend, dim)
 
 
-def _scatter_seq_bwd(axis, backend, _, g):
+def _scatter_seq_bwd(axis, backend, dim, _, g):
     with jax.named_scope(SCOPE):
-        return (_gather_seq(g, axis, backend),)
+        return (_gather_seq(g, axis, backend, dim),)
 
 
-scatter_sequence.defvjp(lambda x, axis, backend: (_scatter_seq(x, axis, backend), None), _scatter_seq_bwd)
+scatter_sequence.defvjp(lambda x, axis, backend, dim: (_scatter_seq(x, axis, backend, dim), None), _scatter_seq_bwd)
 
 
 def column_linear(x, kernel, bias=None):
@@ -118,13 +122,18 @@ def column_linear(x, kernel, bias=None):
     return y if bias is None else y + bias
 
 
-def row_linear(x, kernel, axis: str, bias=None, *, backend=None, sequence_parallel: bool = False):
+def row_linear(
+    x, kernel, axis: str, bias=None, *, backend=None, sequence_parallel: bool = False, sequence_dim: int = 1
+):
     """`x @ kernel` over this rank's input features, summed over `axis`, then `+ bias` (replicated).
 
-    With sequence parallelism the sum is a reduce-scatter over the sequence dim.
+    With sequence parallelism the sum is a reduce-scatter over the token dim `sequence_dim`.
     """
     partial = jnp.einsum("...f,fd->...d", x, kernel)
-    y = scatter_sequence(partial, axis, backend) if sequence_parallel else reduce_from_tp(partial, axis, backend)
+    if sequence_parallel:
+        y = scatter_sequence(partial, axis, backend, sequence_dim)
+    else:
+        y = reduce_from_tp(partial, axis, backend)
     return y if bias is None else y + bias
 
 
@@ -160,28 +169,28 @@ def vocab_parallel_cross_entropy(logits, labels, axis: str, *, backend=None):
     return jnp.log(sum_exp) - target
 
 
-def _split_seq(x, axis):
-    n = x.shape[1] // comm_axis_size(axis)
-    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * n, n, axis=1)
+def _split_seq(x, axis, dim):
+    n = x.shape[dim] // comm_axis_size(axis)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * n, n, axis=dim)
 
 
 def comm_axis_size(axis: str) -> int:
     return jax.lax.psum(1, axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def split_sequence(x, axis: str, backend: str | None = None):
-    """Sequence parallelism: keep this rank's chunk of the sequence dim (1) of a replicated
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def split_sequence(x, axis: str, backend: str | None = None, dim: int = 1):
+    """Sequence parallelism: keep this rank's chunk of the token dim `dim` of a replicated
     `x` in forward; all-gather the gradient in backward."""
-    return _split_seq(x, axis)
+    return _split_seq(x, axis, dim)
 
 
-def _split_seq_bwd(axis, backend, _, g):
+def _split_seq_bwd(axis, backend, dim, _, g):
     with jax.named_scope(SCOPE):
-        return (gather_whole(g, axis, 1, backend),)
+        return (gather_whole(g, axis, dim, backend),)
 
 
-split_sequence.defvjp(lambda x, axis, backend: (_split_seq(x, axis), None), _split_seq_bwd)
+split_sequence.defvjp(lambda x, axis, backend, dim: (_split_seq(x, axis, dim), None), _split_seq_bwd)
 
 
 # -- Flax NNX layers over the same math ------------------------------------------------

@@ -325,23 +325,25 @@ def split(x, dim: int | None, groups: int, rank: int, size: int):
 @dataclasses.dataclass(frozen=True)
 class Binding:
     """What `bind` needs to know about the run: the tp axis, its size, the comm backend and
-    whether activations between layers are split along the sequence (sequence parallelism)."""
+    whether activations between layers are split along a token dimension, `sequence_dim`
+    (sequence parallelism)."""
 
     axis: str
     size: int
     backend: str | None = None
     sequence_parallel: bool = False
+    sequence_dim: int = 1
 
     def enter(self, x):
-        """Into a column-parallel layer: the whole sequence; backward sums over tp."""
+        """Into a column-parallel layer: all the tokens; backward sums over tp."""
         if self.sequence_parallel:
-            return tp_math.gather_sequence(x, self.axis, self.backend)
+            return tp_math.gather_sequence(x, self.axis, self.backend, self.sequence_dim)
         return tp_math.copy_to_tp(x, self.axis, self.backend)
 
     def leave(self, partial):
-        """Out of a row-parallel layer: summed over tp (reduce-scattered along the sequence)."""
+        """Out of a row-parallel layer: summed over tp (reduce-scattered along the token dim)."""
         if self.sequence_parallel:
-            return tp_math.scatter_sequence(partial, self.axis, self.backend)
+            return tp_math.scatter_sequence(partial, self.axis, self.backend, self.sequence_dim)
         return tp_math.reduce_from_tp(partial, self.axis, self.backend)
 
 

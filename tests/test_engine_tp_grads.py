@@ -111,7 +111,14 @@ def batches(n, seed=3):
     ]
 
 
-@pytest.mark.parametrize("seqpar", [False, True], ids=["", "seqpar"])
+SEQPAR = {
+    "": {},
+    "seqpar-batch": {"sequence_parallel": True},
+    "seqpar-seq": {"sequence_parallel": True, "sequence_dim": 1},
+}
+
+
+@pytest.mark.parametrize("seqpar", list(SEQPAR))
 def test_replicated_parameters_on_split_or_gathered_activations_get_the_single_device_gradient(seqpar):
     """(a) the q/k norm scales act on each rank's heads: their gradient is summed over tp;
     (b) under sequence parallelism the logit scale acts on logits gathered over the sequence (every
@@ -121,8 +128,10 @@ def test_replicated_parameters_on_split_or_gathered_activations_get_the_single_d
     sgd = optax.sgd(0.3)
     make = lambda: QKNormModel(nnx.Rngs(0))
     ref_losses, ref_params, ref_norms = reference(make, loss_fn, data, sgd)
-    strategy = Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=PLAN, sequence_parallel=seqpar)
-    losses, params, _, _, metrics = engine_run(strategy, make, UNITS, data, sgd)
+    strategy = Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=PLAN, **SEQPAR[seqpar])
+    losses, params, run, _, metrics = engine_run(strategy, make, UNITS, data, sgd)
+    if seqpar:  # the batch's leading dimension unless told otherwise
+        assert run.sequence_dim == (1 if seqpar == "seqpar-seq" else 0)
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     np.testing.assert_allclose([float(m["grad_norm"]) for m in metrics], ref_norms, rtol=1e-5)
     assert_params_close(params, ref_params, atol=1e-5)
@@ -144,3 +153,17 @@ def test_a_loss_that_differs_per_tp_rank_raises():
     strategy = Parallel(cpu_mesh((1, 2), ("dp", "tp")), plan=PLAN, sequence_parallel=True)
     with pytest.raises(ValueError, match="the head returns a value that differs per tp rank"):
         strategy.prepare(QKNormModel(nnx.Rngs(0), layers=1), optax.sgd(0.1), units, batches(1)[0])
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({}, r"dimension 1 of the activations \(1, 7, 16\) over tp=2"),  # neither batch 1 nor 7 tokens divide
+        ({"sequence_dim": 2}, r"dimension 2 .*\(not the last, the features\)"),
+    ],
+)
+def test_sequence_parallel_on_a_dimension_tp_does_not_divide_raises(options, match):
+    data = [{k: v[:1, :7] for k, v in b.items()} for b in batches(1)]
+    strategy = Parallel(cpu_mesh((1, 2), ("dp", "tp")), plan=PLAN, sequence_parallel=True, **options)
+    with pytest.raises(ValueError, match=match):
+        strategy.prepare(QKNormModel(nnx.Rngs(0), layers=1), optax.sgd(0.1), UNITS, data[0])

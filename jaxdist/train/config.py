@@ -45,7 +45,7 @@ class ParallelConfig:
     bucket_mb: float = _key(40.0, "DDP: gradient bucket size, MiB")
     buffers: int = _key(2, "FSDP: units gathered at once")
     update_in_backward: bool = _key(False, "FSDP: update each unit during backward (needs optim.max_grad_norm=0)")
-    sequence_parallel: bool = _key(False, "TP: shard activations along the sequence")
+    sequence_parallel: bool = _key(False, "TP: split activations between tp layers (batch rows if tp divides them)")
     remat: bool = _key(False, "TP: recompute blocks in backward (less activation memory, one more forward)")
     backend: str = _key("xla", "comm backend: xla or nccl")
     pp: int = _key(1, "pipeline-parallel size (> 1: the GPT's blocks split into pp x virtual stages)")
