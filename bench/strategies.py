@@ -7,8 +7,12 @@ FSDP x TP with both comm backends), the parent re-runs this script with
 `--one CONFIG` in a fresh process, so each configuration's peak memory is its
 own and a crash, OOM or hang (`--timeout`) costs only its own row. The global
 batch is `--per-gpu-batch` sequences per GPU (weak scaling), the same tokens
-for every configuration on the same GPU count. Step time is the median of
-`--steps` timed steps after two warm-up steps (the first compiles).
+for every configuration on the same GPU count. After two warm-up steps (the first
+compiles), `ms/step` is the time of `--steps` steps dispatched back to back (as the
+trainer runs them: the host dispatches step i+1 while the GPUs run step i) over
+`--steps`; `sync ms` is the median of as many steps each waited for before the next
+is dispatched (the step's latency, host dispatch included), and `dispatch ms` the
+median host time of one dispatch. tokens/s, MFU and the ratios come from `ms/step`.
 
 Columns: tokens/s per GPU; MFU = tokens/s per GPU x (6N + 12 L d T) / the
 datasheet dense bf16 peak (989 TFLOP/s on H100 and H200); peak memory per GPU
@@ -200,6 +204,18 @@ def measure(flavor: str, config: str, per_gpu_batch: int, steps: int, profile: s
     jax.block_until_ready(state)
     first = time.perf_counter() - t0 - setup
     state, metrics = run.step(state, batch)
+    # as the trainer runs: steps dispatched back to back (the host's dispatch of step i+1 overlaps
+    # the devices' step i), one wait at the end; the throughput figure
+    jax.block_until_ready(state)
+    t = time.perf_counter()
+    dispatch = []
+    for _ in range(steps):
+        d = time.perf_counter()
+        state, metrics = run.step(state, batch)
+        dispatch.append(time.perf_counter() - d)
+    jax.block_until_ready(state)
+    pipelined = (time.perf_counter() - t) / steps
+    # one step at a time, waited each time: the step's latency including the host's dispatch
     times = []
     for _ in range(steps):
         jax.block_until_ready(state)
@@ -211,13 +227,15 @@ def measure(flavor: str, config: str, per_gpu_batch: int, steps: int, profile: s
     stats = [d.memory_stats() for d in used]
     if profile:
         _profile(run, state, batch, profile, f"{flavor}-{config}")
-    seconds = float(np.median(times))
+    seconds = pipelined
     return {
         "device": devices[0].device_kind,
         "gpus": len(used),
         "params": cfg.num_params(),
         "flops_per_token": flops_per_token(cfg),
         "ms": 1e3 * seconds,
+        "sync_ms": 1e3 * float(np.median(times)),
+        "dispatch_ms": 1e3 * float(np.median(dispatch)),
         "tokens_per_gpu": per_gpu_batch * cfg.seq_len / seconds,
         "peak_gib": max(s["peak_bytes_in_use"] for s in stats) / 2**30 if all(stats) else None,
         "loss": float(metrics["loss"]),
@@ -275,7 +293,7 @@ def spawn(flavor: str, config: str, args) -> dict:
 
 def table(rows: list[tuple[str, str, dict]], baseline: str) -> str:
     """The results as a Markdown table (a failed configuration shows its error)."""
-    head = ["model", "config", "GPUs", "ms/step", "tokens/s/GPU", "MFU", "peak GiB/GPU"]
+    head = ["model", "config", "GPUs", "ms/step", "sync ms", "dispatch ms", "tokens/s/GPU", "MFU", "peak GiB/GPU"]
     head += ["weak scaling", f"vs {baseline}", "loss", "startup s", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     tps = {(f, c): r["tokens_per_gpu"] for f, c, r in rows if "error" not in r}
@@ -289,6 +307,8 @@ def table(rows: list[tuple[str, str, dict]], baseline: str) -> str:
             config,
             r["gpus"],
             f"{r['ms']:.1f}",
+            f"{r['sync_ms']:.1f}" if "sync_ms" in r else "-",
+            f"{r['dispatch_ms']:.1f}" if "dispatch_ms" in r else "-",
             f"{r['tokens_per_gpu']:,.0f}",
             f"{100 * r['tokens_per_gpu'] * r['flops_per_token'] / peak:.1f}%" if peak else "-",
             f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-",
