@@ -12,7 +12,8 @@ compiles), `ms/step` is the time of `--steps` steps dispatched back to back (as 
 trainer runs them: the host dispatches step i+1 while the GPUs run step i) over
 `--steps`; `sync ms` is the median of as many steps each waited for before the next
 is dispatched (the step's latency, host dispatch included), and `dispatch ms` the
-median host time of one dispatch. tokens/s, MFU and the ratios come from `ms/step`.
+median time until such a call returns (the host's dispatch, on idle devices).
+tokens/s, MFU and the ratios come from `ms/step`.
 
 Columns: tokens/s per GPU; MFU = tokens/s per GPU x (6N + 12 L d T) / the
 datasheet dense bf16 peak (989 TFLOP/s on H100 and H200); peak memory per GPU
@@ -208,19 +209,18 @@ def measure(flavor: str, config: str, per_gpu_batch: int, steps: int, profile: s
     # the devices' step i), one wait at the end; the throughput figure
     jax.block_until_ready(state)
     t = time.perf_counter()
-    dispatch = []
     for _ in range(steps):
-        d = time.perf_counter()
         state, metrics = run.step(state, batch)
-        dispatch.append(time.perf_counter() - d)
     jax.block_until_ready(state)
     pipelined = (time.perf_counter() - t) / steps
-    # one step at a time, waited each time: the step's latency including the host's dispatch
-    times = []
+    # one step at a time, waited each time: the step's latency including the host's dispatch, and
+    # the dispatch alone (the call's return, on idle devices)
+    times, dispatch = [], []
     for _ in range(steps):
         jax.block_until_ready(state)
         t = time.perf_counter()
         state, metrics = run.step(state, batch)
+        dispatch.append(time.perf_counter() - t)
         jax.block_until_ready(state)
         times.append(time.perf_counter() - t)
     used = list(batch["tokens"].sharding.device_set)
@@ -355,7 +355,8 @@ def main() -> None:
     device = f"{n} x {done[0]['device']}" if done else "unknown device"
     header = (
         f"{device}, jax {jax.__version__}, {args.per_gpu_batch} sequences per GPU, bf16 compute, float32 "
-        f"parameters, AdamW, median of {args.steps} steps; MFU on the datasheet dense bf16 peak"
+        f"parameters, AdamW, {args.steps} steps back to back (sync ms: median of {args.steps} waited steps); "
+        "MFU on the datasheet dense bf16 peak"
     )
     out = header + "\n\n" + table(rows, args.baseline)
     print("\n" + out)
