@@ -155,6 +155,13 @@ def test_a_loss_that_differs_per_tp_rank_raises():
         strategy.prepare(QKNormModel(nnx.Rngs(0), layers=1), optax.sgd(0.1), units, batches(1)[0])
 
 
+def test_sequence_parallel_falls_back_to_the_sequence_when_tp_does_not_divide_the_rows():
+    data = [{k: v[:1] for k, v in b.items()} for b in batches(1)]  # one row per data rank, 8 tokens
+    strategy = Parallel(cpu_mesh((1, 2), ("dp", "tp")), plan=PLAN, sequence_parallel=True)
+    run = strategy.prepare(QKNormModel(nnx.Rngs(0), layers=1), optax.sgd(0.1), UNITS, data[0])
+    assert run.sequence_dim == 1
+
+
 @pytest.mark.parametrize(
     "options, match",
     [
