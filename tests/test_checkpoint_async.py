@@ -28,3 +28,27 @@ def test_the_saved_values_are_the_steps_even_when_its_buffers_are_donated_and_de
     ckpt.close()
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_the_checksum_pass_runs_in_the_background_and_is_complete_after_wait(tmp_path, monkeypatch):
+    """Reading a checkpoint back for its CRCs took the loop ~0.5 s per save when `wait` did it."""
+    import time
+
+    from jaxdist.train import checkpoint
+
+    slow, real = 1.5, checkpoint.Checkpoints._write_checksums
+
+    def slow_checksums(self, step):
+        time.sleep(slow)
+        real(self, step)
+
+    monkeypatch.setattr(checkpoint.Checkpoints, "_write_checksums", slow_checksums)
+    ckpt = Checkpoints(tmp_path, keep=2)
+    state = {"w": np.arange(1000, dtype=np.float32)}
+    t = time.perf_counter()
+    ckpt.save(1, state, {})
+    assert time.perf_counter() - t < slow  # returned before the checksums were written
+    ckpt.wait()
+    assert time.perf_counter() - t >= slow
+    assert (ckpt.directory / "1" / checkpoint.CHECKSUMS).is_file()
+    ckpt.close()

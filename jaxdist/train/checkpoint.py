@@ -19,7 +19,9 @@ directory and renames it when complete, so an interrupted save (a crash, kill
 Orbax does not checksum its data files (a flipped byte restores silently as a
 wrong value), so after each save the size and CRC-32 of every file go into
 `CHECKSUMS`; a checkpoint that fails it, or that orbax cannot read, is moved
-to `checkpoints.unreadable/` and the previous one is used instead.
+to `checkpoints.unreadable/` and the previous one is used instead. The
+checksums are computed in the background too (reading back a checkpoint of
+1.28 GiB took the training loop ~0.5 s per save when it ran in `wait`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import errno
 import json
 import logging
 import shutil
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -83,6 +86,8 @@ class Checkpoints:
         options = ocp.CheckpointManagerOptions(max_to_keep=max(1, keep), create=True, enable_async_checkpointing=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         self.pending: int | None = None  # the step whose save is in flight
+        self._finishing: threading.Thread | None = None  # waits for orbax, then writes the checksums
+        self._finish_error: BaseException | None = None
         self._quiet = _DropOrbaxLogs()
 
     def latest(self) -> int | None:
@@ -103,17 +108,28 @@ class Checkpoints:
             )
         except Exception as e:
             self._failed(e)
+        self._finishing = threading.Thread(target=self._finish, args=(step,), name="jaxdist-checkpoint", daemon=True)
+        self._finishing.start()
+
+    def _finish(self, step: int) -> None:
+        """In the background: wait for orbax's writes of `step`, then record its checksums."""
+        try:
+            self.manager.wait_until_finished()
+            if jax.process_index() == 0:
+                self._write_checksums(step)
+        except BaseException as e:  # noqa: BLE001 (raised in the caller's thread by `wait`)
+            self._finish_error = e
 
     def wait(self) -> None:
         """Finish the save in flight (if any) and record its checksums."""
         if self.pending is None:
             return
-        try:
-            self.manager.wait_until_finished()
-            if jax.process_index() == 0:
-                self._write_checksums(self.pending)
-        except Exception as e:
-            self._failed(e)
+        if self._finishing is not None:
+            self._finishing.join()
+            self._finishing = None
+        error, self._finish_error = self._finish_error, None
+        if error is not None:
+            self._failed(error)
         self.pending = None
         logging.getLogger("absl").removeFilter(self._quiet)
 
