@@ -196,6 +196,11 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"{name} must be >= 1, got {value}")
     if cfg.parallel.remat not in (True, False, "auto"):
         raise ConfigError(f"parallel.remat must be auto, true or false, got {cfg.parallel.remat!r}")
+    if cfg.parallel.remat is False and cfg.parallel.pp > 1:
+        raise ConfigError(
+            "parallel.remat=false (keep activations) does not work with parallel.pp > 1: a stage's backward "
+            "recomputes its forward; set it to auto"
+        )
     if cfg.parallel.update_in_backward and cfg.optim.max_grad_norm > 0:
         # the strategy updates each unit before the global gradient norm exists, so clipping would be dropped
         raise ConfigError(

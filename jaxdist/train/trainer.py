@@ -137,7 +137,7 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
             plan=tp_plan_for(model.cfg) if p.tp > 1 else None,
             zero1=p.zero1,
             sequence_parallel=p.sequence_parallel and p.tp > 1,
-            remat=remat_option(p.remat),
+            remat=_remat_option(p.remat),
             buffers=p.buffers,
             prefetch=p.buffers - 1,
             max_grad_norm=clip,
@@ -152,7 +152,7 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
             buffers=p.buffers,
             prefetch=p.buffers - 1,
             update_in_backward=p.update_in_backward,
-            remat=remat_option(p.remat),
+            remat=_remat_option(p.remat),
             max_grad_norm=None if p.update_in_backward else clip,
             skip_nonfinite=not p.update_in_backward,
             backend=p.backend,
@@ -169,7 +169,7 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
     return strategy.prepare(model, optimizer, next_token_loss, batch)
 
 
-def remat_option(value: bool | str) -> bool | None:
+def _remat_option(value: bool | str) -> bool | None:
     """`parallel.remat` as the engine's `remat`: "auto" is None (keep activations where the weights are
     kept, recompute under FSDP), true / false force recomputing / keeping."""
     return None if value == "auto" else value  # other values are refused by `config.validate`
@@ -185,17 +185,12 @@ def _pipelined(cfg: TrainConfig, mesh, model: GPT, optimizer, batch, clip):
             raise ConfigError(f"parallel.{key} does not work with parallel.pp > 1 yet; set it to {str(off).lower()}")
     if cfg.optim.accumulation_steps > 1:
         raise ConfigError("optim.accumulation_steps > 1 works with DDP only; parallel.microbatches splits a pp step")
-    if p.remat is False:
-        raise ConfigError(
-            "parallel.remat=false (keep activations) does not work with parallel.pp > 1: a stage's backward "
-            "recomputes its forward; set it to auto"
-        )
     try:
         strategy = Pipelined(
             mesh,
             plan=tp_plan_for(model.cfg) if p.tp > 1 else None,
             zero1=p.zero1,
-            remat=remat_option(p.remat),
+            remat=_remat_option(p.remat),
             max_grad_norm=clip,
             backend=p.backend,
             microbatches=p.microbatches,
