@@ -10,7 +10,9 @@ model's parameter tree, so any optax transformation is exact), sharded:
 * over the data axes by the storage mode: replicated (plain DP), ZeRO-1
   (sharded over `dp`, gathered once per step and kept for backward) or
   ZeRO-3 (sharded over `fsdp`, gathered before forward and again before
-  backward). HSDP is ZeRO-3 over `fsdp` with replicas over `dp`.
+  backward, which recomputes each block's forward or, with `remat=False`,
+  keeps its activations and rebuilds only the residuals of its weights alone:
+  `jaxdist._residuals`). HSDP is ZeRO-3 over `fsdp` with replicas over `dp`.
 
 A step gathers each unit's pieces over the storage axis one unit ahead of its
 use, runs the unit's own code (the model's modules, with the plan's parallel

@@ -64,11 +64,15 @@ def test_gpt_sgd_step_and_grad_norm_match_single_device(mesh_name):
     assert_params_close(params, ref_params, atol=1e-5)
 
 
-def test_gpt_adamw_matches_single_device_through_the_fsdp_wrapper():
+@pytest.mark.parametrize("update_in_backward", [False, True], ids=["", "update-in-backward"])
+def test_gpt_adamw_matches_single_device_through_the_fsdp_wrapper(update_in_backward):
+    """HSDP; with update_in_backward each unit is updated as soon as its rebuilt backward reduced it."""
     data = gpt_batches(2)
     make = lambda: GPT(GPT_CFG, nnx.Rngs(0))
     ref_losses, ref_params, _ = reference(make, next_token_loss, data, adamw())
-    strategy = FSDP(cpu_mesh((4, 2), ("fsdp", "dp")), dp_axis="dp", remat=False)
+    mesh = cpu_mesh((4, 2), ("fsdp", "dp"))
+    options = {"update_in_backward": True, "skip_nonfinite": False} if update_in_backward else {}
+    strategy = FSDP(mesh, dp_axis="dp", remat=False, **options)
     assert strategy.parallel().backward_residuals == "rebuild"
     losses, params, *_ = engine_run(strategy, make, UNITS, data, adamw())
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
