@@ -139,8 +139,9 @@ class Parallel:
       max_grad_norm: clip by the global gradient norm, or None.
       skip_nonfinite: skip the update (and report it) when the gradient norm is NaN/Inf
         (default: on, unless `update_in_backward`).
-      record_weights: report, per block, the sum of the weights it computed with
-        (`metrics["weights_used"]`; a test probe that costs a reduction per step).
+      record_weights: report, per block, the sum of the weights its forward and its backward
+        computed with (`metrics["weights_used"]`, `metrics["weights_used_backward"]`; a test probe
+        that costs reductions per step).
       backend: the `jaxdist.comm` backend.
     """
 
