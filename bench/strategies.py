@@ -2,7 +2,8 @@
 
 For each model (GPT-350M, GPT-1.3B: bf16 compute, float32 parameters, cuDNN
 attention on GPU, AdamW) and each configuration in `CONFIGS` (a plain 1-GPU
-jit, XLA's automatic DP and FSDP, and jaxdist's DDP, ZeRO-1, FSDP, DP x TP and
+jit, XLA's automatic DP and FSDP, and jaxdist's DDP, ZeRO-1, FSDP, the engine's ZeRO-3 (`zero3`:
+recomputing each block in backward; `zero3keep`: keeping activations), DP x TP and
 FSDP x TP with both comm backends), the parent re-runs this script with
 `--one CONFIG` in a fresh process, so each configuration's peak memory is its
 own and a crash, OOM or hang (`--timeout`) costs only its own row. The global
@@ -116,10 +117,15 @@ def fsdp(model, devices, batch_for, backend):
     return FSDP(mesh, backend=backend).prepare(model, optimizer(), Units(embed_inputs, head_loss), batch), batch
 
 
-def engine_zero3(model, devices, batch_for, backend):
-    mesh = mesh_for(devices, (len(devices),), ("fsdp",), backend)
-    batch = batch_for(mesh)
-    return Parallel(mesh, backend=backend).prepare(model, optimizer(), UNITS, batch), batch
+def engine_zero3(remat: bool | None = None):
+    """The engine's ZeRO-3 over fsdp; remat=False keeps activations (rebuilds only the weights' residuals)."""
+
+    def build(model, devices, batch_for, backend):
+        mesh = mesh_for(devices, (len(devices),), ("fsdp",), backend)
+        batch = batch_for(mesh)
+        return Parallel(mesh, remat=remat, backend=backend).prepare(model, optimizer(), UNITS, batch), batch
+
+    return build
 
 
 def engine_tp(data_axis: str, sequence_parallel: bool = False):
@@ -159,7 +165,8 @@ CONFIGS = {  # name: (builder, comm backend)
             ("ddp", ddp(zero1=False)),
             ("zero1", ddp(zero1=True)),
             ("fsdp", fsdp),
-            ("zero3", engine_zero3),
+            ("zero3", engine_zero3()),
+            ("zero3keep", engine_zero3(remat=False)),
             ("dptp", engine_tp("dp")),
             ("dptpsp", engine_tp("dp", sequence_parallel=True)),
             ("fsdptp", engine_tp("fsdp")),

@@ -151,7 +151,7 @@ def _walk(jaxpr, in_masks: list[int], axis: str, who: str) -> list[int]:
         masks = [read(v) for v in eqn.invars]
         if not any(masks):
             continue
-        subs = _sub_jaxprs(eqn.params)
+        subs = sub_jaxprs(eqn.params)
         one_to_one = (
             len(subs) == 1
             and eqn.primitive.name not in _LOOPS
@@ -199,12 +199,12 @@ def _sums(jaxpr, axis: str) -> bool:
     for eqn in jaxpr.eqns:
         if _is_sum(eqn, axis):
             return True
-        if any(_sums(j, axis) for j in _sub_jaxprs(eqn.params)):
+        if any(_sums(j, axis) for j in sub_jaxprs(eqn.params)):
             return True
     return False
 
 
-def _sub_jaxprs(params: dict) -> list:
+def sub_jaxprs(params: dict) -> list:
     """The jaxprs an equation holds (a jit's, a remat's, a custom rule's primal, a cond's branches)."""
     out = []
     for value in params.values():

@@ -10,7 +10,9 @@ model's parameter tree, so any optax transformation is exact), sharded:
 * over the data axes by the storage mode: replicated (plain DP), ZeRO-1
   (sharded over `dp`, gathered once per step and kept for backward) or
   ZeRO-3 (sharded over `fsdp`, gathered before forward and again before
-  backward). HSDP is ZeRO-3 over `fsdp` with replicas over `dp`.
+  backward, which recomputes each block's forward or, with `remat=False`,
+  keeps its activations and rebuilds only the residuals of its weights alone:
+  `jaxdist._residuals`). HSDP is ZeRO-3 over `fsdp` with replicas over `dp`.
 
 A step gathers each unit's pieces over the storage axis one unit ahead of its
 use, runs the unit's own code (the model's modules, with the plan's parallel
@@ -44,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import comm
 from jaxdist import tp as tp_math
 from jaxdist._pipeline import AsyncOp, check_buffers, kept, pipelined_loop
+from jaxdist._residuals import rebuild, residual_leaves, weight_only
 from jaxdist._step import PlacedStep, TrainState, local_batch_avals, optimizer_step
 from jaxdist._tp_grads import tp_summed
 from jaxdist.canonical import canonical_avals, check_canonical, mirror_map, with_shardings
@@ -109,8 +112,13 @@ class Parallel:
         dimension 1 (the sequence). The leading dimension is the faster on GPU
         (its gathers and reduce-scatters need no transposes); pass 1 where the
         block's code slices side inputs to its sequence chunk.
-      remat: recompute each block's activations in backward (`jax.checkpoint`
-        around the gathered weights: no second gather).
+      remat: how backward gets each block's activations. None (default): kept from the forward
+        when the weights are kept (replicated, ZeRO-1, `reshard_after_forward=False`), recomputed
+        on the re-gathered weights under ZeRO-3. True: always recomputed (`jax.checkpoint`
+        around the gathered weights: no second gather). False: always kept; under ZeRO-3 the
+        forward keeps only the residuals that depend on the activations and backward rebuilds
+        those of the weights alone (casts, transposes) from the re-gathered weights, as PyTorch
+        FSDP does: no second forward, activation memory as plain autodiff.
       buffers: how many gathered units may exist at once (>= 2).
       prefetch: how many units ahead gathers start; needs `prefetch + 1 <= buffers`
         (the loop's carry then holds `prefetch` in-flight units, so a third buffer
@@ -131,8 +139,9 @@ class Parallel:
       max_grad_norm: clip by the global gradient norm, or None.
       skip_nonfinite: skip the update (and report it) when the gradient norm is NaN/Inf
         (default: on, unless `update_in_backward`).
-      record_weights: report, per block, the sum of the weights it computed with
-        (`metrics["weights_used"]`; a test probe that costs a reduction per step).
+      record_weights: report, per block, the sum of the weights its forward and its backward
+        computed with (`metrics["weights_used"]`, `metrics["weights_used_backward"]`; a test probe
+        that costs reductions per step).
       backend: the `jaxdist.comm` backend.
     """
 
@@ -145,7 +154,7 @@ class Parallel:
     reshard_after_forward: bool = True
     sequence_parallel: bool = False
     sequence_dim: int | None = None
-    remat: bool = False
+    remat: bool | None = None
     buffers: int = 2
     prefetch: int = 1
     compute_dtype: Any = None
@@ -168,6 +177,8 @@ class Parallel:
         if self.tp > 1 and self.plan is None:
             raise ValueError(f"Parallel: the {self.tp_axis!r} axis has size {self.tp}; pass plan=TPPlan(...)")
         check_buffers("Parallel", self.buffers, self.prefetch)
+        if self.remat not in (None, True, False):
+            raise ValueError(f"Parallel: remat must be None (auto), True or False, got {self.remat!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("Parallel: sequence_parallel needs a tp axis of size > 1")
         if self.update_in_backward and self.max_grad_norm is not None:
@@ -215,6 +226,16 @@ class Parallel:
     def regather(self) -> bool:
         return self.storage_axis == self.fsdp_axis and self.reshard_after_forward
 
+    @property
+    def backward_residuals(self) -> str:
+        """Where backward gets a block's residuals: "kept" (the forward's vjp, weights kept anyway),
+        "recompute" (the forward replayed on the re-gathered weights) or "rebuild" (ZeRO-3 keeping
+        activations: the forward's activation residuals, the weights' own rebuilt from the re-gathered
+        weights)."""
+        if not self.regather:
+            return "kept"
+        return "rebuild" if self.remat is False else "recompute"
+
     def prepare(self, model: nnx.Module, optimizer: optax.GradientTransformation, units: Units, batch):
         """Shard `model`'s parameters and build the train step.
 
@@ -249,6 +270,7 @@ class ParallelRun:
 
     def __init__(self, cfg: Parallel, model: nnx.Module, optimizer, units: Units, batch):
         self.cfg, self.optimizer, self.units = cfg, optimizer, units
+        self._weight_only_cache: dict = {}
         # outside the per-device program XLA places the optimizer math: Auto axes let it
         # propagate the parameters' shardings whatever the user's mesh says
         self.mesh = jax.sharding.Mesh(
@@ -832,7 +854,7 @@ class ParallelRun:
         if self.aux_specs is not None:
             metrics_spec["aux"] = self.aux_specs
         if cfg.record_weights:
-            metrics_spec["weights_used"] = P()
+            metrics_spec["weights_used"] = metrics_spec["weights_used_backward"] = P()
         if cfg.update_in_backward:  # the optimizer runs inside, unit by unit
             opt_specs = jax.tree.map(lambda s: s.spec, self.state_shardings.opt_state)
             body = jax.shard_map(
@@ -896,9 +918,12 @@ class ParallelRun:
         embed_w, tok = _fetch(gather, unit(self.embed_leaves), tok)
         x0, embed_vjp, outer_mid = jax.vjp(lambda w: self._embed(w, batch, outer_in), embed_w, has_aux=True)
         saved_x, saved_w, used, blocks_out = [], [], [], []
+        mode = cfg.backward_residuals
+        side = lambda i: (batch, blocks_in[i] if blocks_in else None)  # the block's inputs besides w and x
+        block_side_fn = lambda i: lambda w, x, side: self._block(i, w, x, *side)
 
         def block_fn(i):
-            fn = lambda w, x: self._block(i, w, x, batch, blocks_in[i] if blocks_in else None)
+            fn = lambda w, x: block_side_fn(i)(w, x, side(i))
             return jax.checkpoint(fn) if cfg.remat else fn
 
         saved_vjp = []
@@ -908,10 +933,16 @@ class ParallelRun:
             saved_w.append(w)  # dropped by XLA when backward gathers again
             if cfg.record_weights:
                 used.append(self._weight_sum(w))
-            if cfg.regather:  # backward recomputes on re-gathered weights: keep no residual of them
+            if mode == "recompute":  # backward recomputes on re-gathered weights: keep no residual of them
                 y, after = block_fn(i)(w, x)
-            else:  # weights kept for backward anyway: keep the residuals too, as plain autodiff does
+            else:  # the residuals as plain autodiff keeps them
                 y, vjp, after = jax.vjp(block_fn(i), w, x, has_aux=True)
+                if mode == "rebuild":  # but none computed from the weights alone: those hold the gathered weights
+                    leaves, tree = jax.tree.flatten(vjp)
+                    drop = self._weight_only(i, block_side_fn(i), w, x, side(i))
+                    if len(drop) != len(leaves):
+                        raise AssertionError(f"block {i}: {len(leaves)} residuals, the analysis traced {len(drop)}")
+                    vjp = (tree, [None if d else leaf for leaf, d in zip(leaves, drop, strict=True)])
                 saved_vjp.append(vjp)
             blocks_out.append(after)
             return y, None, None
@@ -942,9 +973,18 @@ class ParallelRun:
 
         # backward: block i-1 fetched and block i+1's gradients reduced while block i computes
         def backward(i, w, carry):
-            if not cfg.regather:
+            y = self._weight_sum(w) if cfg.record_weights else None
+            if mode == "kept":
                 dw, dx_in = saved_vjp[i](carry)
-                return dx_in, dw, None
+                return dx_in, dw, y
+            if mode == "rebuild":
+                # the weights' own residuals from the re-gathered weights (values XLA cannot merge with the
+                # forward's: each gather packs its own copy), on zeros for x: none of them reads it, and
+                # XLA drops the rest of this trace
+                tree, kept_leaves = saved_vjp[i]
+                fresh = residual_leaves(block_side_fn(i), w, jnp.zeros_like(saved_x[i]), side(i))
+                dw, dx_in = rebuild(tree, kept_leaves, fresh)(carry)
+                return dx_in, dw, y
             # replayed on the saved input, which rides in the carry: tied like the gradient, after the
             # next gather was issued, so the replay runs no earlier, on a value XLA cannot merge (CSE)
             # with the forward's (nothing of the forward is kept for it, as after remat); the same
@@ -952,7 +992,7 @@ class ParallelRun:
             dx, x = carry
             _, vjp, _ = jax.vjp(block_fn(i), w, x, has_aux=True)
             dw, dx_in = vjp(dx)
-            return (dx_in, saved_x[i - 1] if i else x), dw, None
+            return (dx_in, saved_x[i - 1] if i else x), dw, y
 
         def finish(i, g, acc, tok):
             if in_backward:
@@ -961,9 +1001,9 @@ class ParallelRun:
 
         fetch = gather if cfg.regather else kept("engine.kept")
         fetch_input = (lambda i, _: block_unit(i)) if cfg.regather else (lambda i, _: saved_w[i])
-        dx0, tok, per_block, _ = pipelined_loop(
+        dx0, tok, per_block, used_backward = pipelined_loop(
             backward,
-            (dx, saved_x[-1]) if cfg.regather else dx,
+            (dx, saved_x[-1]) if mode == "recompute" else dx,
             self.n_blocks,
             tok,
             fetch=fetch,
@@ -975,7 +1015,7 @@ class ParallelRun:
             reverse=True,
             unroll=True,
         )
-        if cfg.regather:
+        if mode == "recompute":
             dx0 = dx0[0]
         if in_backward:
             grads = {}
@@ -1003,10 +1043,10 @@ class ParallelRun:
             aux, tok = self._reduce_aux(aux, tok)
             metrics["aux"] = aux
         if cfg.record_weights:
-            stacked = jnp.stack(used)
-            if cfg.tp > 1:
-                stacked, tok = comm.all_reduce(stacked, cfg.tp_axis, tok, op="sum", backend=cfg.backend)
-            metrics["weights_used"] = stacked
+            for key, sums in (("weights_used", jnp.stack(used)), ("weights_used_backward", used_backward)):
+                if cfg.tp > 1:
+                    sums, tok = comm.all_reduce(sums, cfg.tp_axis, tok, op="sum", backend=cfg.backend)
+                metrics[key] = sums
         new_model_state, tok = self._model_state_after(model_state, outer_out, blocks_out, tok)
         if in_backward:
             updated = (self.treedef.unflatten(new_params), jax.tree.structure(opt_state).unflatten(new_opt))
@@ -1060,6 +1100,15 @@ class ParallelRun:
                 )
             out.append(x)
         return tree.unflatten(out), tok
+
+    def _weight_only(self, i: int, fn, w, x, side) -> tuple[bool, ...]:
+        """Which residuals of block i's vjp are functions of its weights alone (`jaxdist._residuals`),
+        traced once per block definition and shapes (blocks of one definition run one program)."""
+        avals = tuple((a.shape, a.dtype) for a in jax.tree.leaves((w, x, side)))
+        key = (self.block_defs[i], len(w), jax.tree.structure((x, side)), avals)
+        if key not in self._weight_only_cache:
+            self._weight_only_cache[key] = weight_only(fn, w, x, side)
+        return self._weight_only_cache[key]
 
     def _weight_sum(self, ws: dict):
         """Sum of a unit's gathered weights, replicated pieces counted once over tp."""

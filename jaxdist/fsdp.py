@@ -5,7 +5,9 @@ axis, an optional replica axis for HSDP, no tensor parallelism): each
 parameter is stored in its own shape, sharded over `axis`, with the optimizer
 state mirroring it. Forward gathers unit i+1 while unit i computes and drops
 gathered weights after use; backward re-gathers unit i-1 while unit i computes
-its gradients and reduce-scatters unit i's gradients while unit i-1 runs. Both
+its gradients (recomputing unit i's forward, or with `remat=False` rebuilding
+only the residuals of its weights alone) and reduce-scatters unit i's gradients
+while unit i-1 runs. Both
 are the engine's `jaxdist._pipeline.pipelined_loop`, whose carry holds exactly
 `buffers - 1` in-flight units.
 """
@@ -38,6 +40,11 @@ class FSDP:
       prefetch: how many units ahead gathers start; needs `prefetch + 1 <= buffers`.
       reshard_after_forward: drop gathered weights after the forward (re-gather
         in backward); False keeps every unit's gathered weights for backward.
+      remat: how backward gets each block's activations (`Parallel.remat`): None
+        (default) recomputes the block's forward on the re-gathered weights;
+        False keeps the forward's activations and rebuilds only the residuals
+        of the weights alone from the re-gathered weights (PyTorch FSDP's
+        default: no second forward, more activation memory); True recomputes.
       compute_dtype: dtype parameters are gathered (each shard cast before the
         all-gather) and computed in, e.g. bfloat16; the stored parameters and
         the optimizer keep the model's dtype.
@@ -62,6 +69,7 @@ class FSDP:
     buffers: int = 2
     prefetch: int = 1
     reshard_after_forward: bool = True
+    remat: bool | None = None
     compute_dtype: Any = None
     reduce_dtype: Any = None
     update_in_backward: bool = False
@@ -98,6 +106,7 @@ class FSDP:
             buffers=self.buffers,
             prefetch=self.prefetch,
             reshard_after_forward=self.reshard_after_forward,
+            remat=self.remat,
             compute_dtype=self.compute_dtype,
             reduce_dtype=self.reduce_dtype,
             update_in_backward=self.update_in_backward,

@@ -60,9 +60,10 @@ class Pipelined(Parallel):
       schedule: "1f1b", "gpipe" or "interleaved" (`jaxdist.pipeline_schedule`).
       virtual: stages per rank (chunks) of the interleaved schedule.
 
-    A stage's backward always recomputes its forward from the stage input (so `remat` adds
-    nothing), and with an fsdp axis a step gathers this rank's pieces once and keeps them
-    (`reshard_after_forward`, `buffers` and `prefetch` do not apply).
+    A stage's backward always recomputes its forward from the stage input (so `remat=True` adds
+    nothing and `remat=False`, keeping activations, is refused), and with an fsdp axis a step
+    gathers this rank's pieces once and keeps them (`reshard_after_forward`, `buffers` and
+    `prefetch` do not apply).
     """
 
     pp_axis: str = "pp"
@@ -77,6 +78,11 @@ class Pipelined(Parallel):
         for flag in ("record_weights", "sequence_parallel", "update_in_backward"):
             if getattr(self, flag):
                 raise ValueError(f"Pipelined: {flag} is not supported with a pipeline axis yet; turn it off")
+        if self.remat is False:
+            raise ValueError(
+                "Pipelined: a stage's backward always recomputes its forward from the stage input, so it cannot "
+                "keep activations (remat=False); leave remat unset (None)"
+            )
         self.table()  # a table that cannot run is an error now, before anything is traced
 
     def _known_axes(self) -> tuple[str, ...]:

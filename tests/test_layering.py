@@ -31,6 +31,7 @@ LAYERS = {
     "jaxdist.per_leaf": 4,
     "jaxdist.tp_plan": 4,
     "jaxdist._tp_grads": 4,
+    "jaxdist._residuals": 4,
     "jaxdist.ddp": 5,
     "jaxdist.fsdp": 5,
     "jaxdist.engine": 5,

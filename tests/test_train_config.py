@@ -32,6 +32,11 @@ def cfg(tmp_path, *overrides):
         (["optim.accumulation_steps=0"], "optim.accumulation_steps must be >= 1, got 0"),
         (["model.seq_len=0"], "model.seq_len must be >= 1, got 0"),
         (["optim.decay_steps=0"], "optim.decay_steps must be >= 1, got 0"),
+        (["parallel.remat=sometimes"], "parallel.remat must be auto, true or false, got 'sometimes'"),
+        (
+            ["parallel.pp=2", "parallel.remat=false"],
+            "parallel.remat=false \\(keep activations\\) does not work with parallel.pp > 1.*set it to auto",
+        ),
         (
             ["parallel.fsdp=8", "parallel.update_in_backward=true"],
             "parallel.update_in_backward=true cannot clip by optim.max_grad_norm .*set optim.max_grad_norm=0",
@@ -103,3 +108,47 @@ def test_train_help_lists_every_config_key_with_its_default():
         for key in dataclasses.fields(section.default_factory):
             default = "none" if key.default is None else json.dumps(key.default)
             assert any(line.split()[:3] == [f"{section.name}.{key.name}", "=", default] for line in lines), key.name
+
+
+@pytest.mark.parametrize(
+    ("overrides", "remat", "residuals"),
+    [
+        (["parallel.fsdp=8"], None, "recompute"),  # auto (the default) under FSDP: the forward recomputed
+        (["parallel.fsdp=8", "parallel.remat=false"], False, "rebuild"),
+        (["parallel.fsdp=4", "parallel.tp=2", "parallel.remat=true"], True, "recompute"),
+        (["parallel.tp=2", "parallel.remat=auto"], None, "kept"),  # ZeRO-1 storage keeps the activations
+        (
+            ["parallel.fsdp=8", "parallel.update_in_backward=true", "optim.max_grad_norm=0", "parallel.remat=false"],
+            False,
+            "rebuild",
+        ),
+    ],
+    ids=["fsdp-auto", "fsdp-false", "fsdp-tp-true", "tp-auto", "fsdp-update-in-backward-false"],
+)
+def test_parallel_remat_selects_how_backward_gets_the_activations(overrides, remat, residuals):
+    """`parallel.remat` = auto | true | false reaches the unit engine as remat None / True / False."""
+    import jax
+    from flax import nnx
+
+    from jaxdist.train import trainer
+    from jaxdist.train.gpt import GPT
+
+    c = config_lib.load(None, [*BASE, "model.n_layers=1", *overrides])
+    config_lib.validate(c)
+    mesh = trainer.make_mesh(c, jax.devices())
+    model_cfg = trainer.model_config(c)
+    optimizer, _ = trainer.make_optimizer(c)
+    batch = {"tokens": np.zeros((16, model_cfg.seq_len + 1), np.int32)}
+    run = trainer.parallelize(c, mesh, GPT(model_cfg, nnx.Rngs(0)), optimizer, batch)
+    assert run.cfg.remat is remat
+    assert run.cfg.backward_residuals == residuals
+
+
+def test_parallel_remat_reads_toml_booleans_and_auto(tmp_path):
+    path = tmp_path / "c.toml"
+    for text, value in (("remat = false", False), ("remat = true", True), ('remat = "auto"', "auto")):
+        path.write_text(f"[parallel]\n{text}\n")
+        c = config_lib.load(path)
+        config_lib.validate(c)
+        assert c.parallel.remat == value and type(c.parallel.remat) is type(value)
+    assert config_lib.TrainConfig().parallel.remat == "auto"

@@ -46,7 +46,11 @@ class ParallelConfig:
     buffers: int = _key(2, "FSDP: units gathered at once")
     update_in_backward: bool = _key(False, "FSDP: update each unit during backward (needs optim.max_grad_norm=0)")
     sequence_parallel: bool = _key(False, "TP: split activations between tp layers (batch rows if tp divides them)")
-    remat: bool = _key(False, "TP: recompute blocks in backward (less activation memory, one more forward)")
+    remat: bool | str = _key(
+        "auto",
+        "block activations in backward: auto (kept, recomputed under FSDP), true (recomputed: less memory, one "
+        "more forward) or false (kept; FSDP rebuilds only the weights' own residuals)",
+    )
     backend: str = _key("xla", "comm backend: xla or nccl")
     pp: int = _key(1, "pipeline-parallel size (> 1: the GPT's blocks split into pp x virtual stages)")
     microbatches: int = _key(4, "pipeline: micro-batches per data rank's batch")
@@ -190,6 +194,13 @@ def validate(cfg: TrainConfig) -> None:
     for name, value in positive:
         if value is not None and value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
+    if cfg.parallel.remat not in (True, False, "auto"):
+        raise ConfigError(f"parallel.remat must be auto, true or false, got {cfg.parallel.remat!r}")
+    if cfg.parallel.remat is False and cfg.parallel.pp > 1:
+        raise ConfigError(
+            "parallel.remat=false (keep activations) does not work with parallel.pp > 1: a stage's backward "
+            "recomputes its forward; set it to auto"
+        )
     if cfg.parallel.update_in_backward and cfg.optim.max_grad_norm > 0:
         # the strategy updates each unit before the global gradient norm exists, so clipping would be dropped
         raise ConfigError(

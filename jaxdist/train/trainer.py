@@ -137,7 +137,7 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
             plan=tp_plan_for(model.cfg) if p.tp > 1 else None,
             zero1=p.zero1,
             sequence_parallel=p.sequence_parallel and p.tp > 1,
-            remat=p.remat,
+            remat=_remat_option(p.remat),
             buffers=p.buffers,
             prefetch=p.buffers - 1,
             max_grad_norm=clip,
@@ -152,6 +152,7 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
             buffers=p.buffers,
             prefetch=p.buffers - 1,
             update_in_backward=p.update_in_backward,
+            remat=_remat_option(p.remat),
             max_grad_norm=None if p.update_in_backward else clip,
             skip_nonfinite=not p.update_in_backward,
             backend=p.backend,
@@ -166,6 +167,12 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
         backend=p.backend,
     )
     return strategy.prepare(model, optimizer, next_token_loss, batch)
+
+
+def _remat_option(value: bool | str) -> bool | None:
+    """`parallel.remat` as the engine's `remat`: "auto" is None (keep activations where the weights are
+    kept, recompute under FSDP), true / false force recomputing / keeping."""
+    return None if value == "auto" else value  # other values are refused by `config.validate`
 
 
 def _pipelined(cfg: TrainConfig, mesh, model: GPT, optimizer, batch, clip):
@@ -183,6 +190,7 @@ def _pipelined(cfg: TrainConfig, mesh, model: GPT, optimizer, batch, clip):
             mesh,
             plan=tp_plan_for(model.cfg) if p.tp > 1 else None,
             zero1=p.zero1,
+            remat=_remat_option(p.remat),
             max_grad_norm=clip,
             backend=p.backend,
             microbatches=p.microbatches,

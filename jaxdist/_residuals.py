@@ -1,0 +1,78 @@
+"""Which residuals of a `jax.vjp` are functions of the weights alone, so ZeRO-3 can keep a block's
+activations for backward without keeping its gathered weights.
+
+The residuals a forward `jax.vjp(fn, w, x)` holds (its leaves: `jax.vjp`'s function is a pytree of
+them) include values computed from the weights `w` alone: `w` itself, its casts and transposes.
+Kept until backward they would hold the gathered weights alive and defeat ZeRO-3. `weight_only`
+finds them by a dependence analysis of the residuals' jaxpr; the engine keeps the others from the
+forward and recomputes these from the weights gathered again for backward (`rebuild`). Values
+that depend on neither `w` nor `x` (side inputs: the batch, RNG keys, constants) are kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend.core import Var
+
+from jaxdist._tp_grads import sub_jaxprs
+
+W, X = 1, 2  # a value reads the weights / the activations
+
+# primitives that apply their one jaxpr once to their operands (a jit, a remat, a custom rule's
+# primal): their outputs depend on their inputs as the inner jaxpr's do; any other primitive
+# (loops, conds, unknown ones) is taken as a whole: each output reads every input
+_CALLS = frozenset(
+    {"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "custom_jvp_call", "custom_vjp_call"}
+)
+
+
+def residual_leaves(fn: Callable, w, x, side) -> list:
+    """The residuals of `jax.vjp(lambda w, x: fn(w, x, side), w, x, has_aux=True)`, flattened."""
+    return jax.tree.leaves(jax.vjp(lambda w, x: fn(w, x, side), w, x, has_aux=True)[1])
+
+
+def weight_only(fn: Callable, w, x, side) -> tuple[bool, ...]:
+    """For each leaf of `residual_leaves(fn, w, x, side)`: True when it reads `w` and no leaf of `x`
+    (a function of the weights and side inputs only, recomputable from the weights gathered again).
+
+    `fn(w, x, side) -> (y, aux)`; the arguments may be arrays, tracers or ShapeDtypeStructs.
+    """
+    closed = jax.make_jaxpr(residual_leaves, static_argnums=0)(fn, w, x, side)
+    n_w, n_x = len(jax.tree.leaves(w)), len(jax.tree.leaves(x))
+    n_side = len(closed.jaxpr.invars) - n_w - n_x
+    flags = _reads(closed.jaxpr, [W] * n_w + [X] * n_x + [0] * n_side)
+    return tuple(bool(f & W) and not f & X for f in flags)
+
+
+def rebuild(tree, kept: Sequence[Any], fresh: Sequence[Any]):
+    """The forward's vjp (`tree`, its treedef) on its kept residuals, the dropped ones (None in
+    `kept`) taken from `fresh`, the residuals recomputed in backward."""
+    if len(kept) != len(fresh):
+        raise AssertionError(f"residuals: backward traced {len(fresh)} residuals, forward {len(kept)}")
+    return jax.tree.unflatten(tree, [f if k is None else k for k, f in zip(kept, fresh, strict=True)])
+
+
+def _reads(jaxpr, in_flags: list[int]) -> list[int]:
+    """What each output of `jaxpr` reads (W | X bits) given its inputs' (constants and literals: 0)."""
+    env = dict(zip(jaxpr.invars, in_flags, strict=True))
+    read = lambda v: env.get(v, 0) if isinstance(v, Var) else 0
+    for eqn in jaxpr.eqns:
+        flags = [read(v) for v in eqn.invars]
+        subs = sub_jaxprs(eqn.params)
+        if (
+            eqn.primitive.name in _CALLS
+            and len(subs) == 1
+            and len(subs[0].invars) == len(flags)
+            and len(subs[0].outvars) == len(eqn.outvars)
+        ):
+            outs = _reads(subs[0], flags)
+        else:
+            union = 0
+            for f in flags:
+                union |= f
+            outs = [union] * len(eqn.outvars)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
