@@ -47,12 +47,45 @@ def weight_only(fn: Callable, w, x, side) -> tuple[bool, ...]:
     return tuple(bool(f & W) and not f & X for f in flags)
 
 
+def weight_only_values(fn: Callable, w, x_aval, side, drop: Sequence[bool]) -> list:
+    """The residuals flagged in `drop` (`weight_only`'s True), computed from `w` and `side` alone.
+
+    Only the equations those residuals need run: a plain re-trace of the whole vjp would also issue
+    the block's side-effecting ops on activations (the nccl backend's collectives are FFI calls XLA
+    must keep), i.e. recompute the forward it exists to avoid. `x_aval` gives only x's shapes."""
+    closed = jax.make_jaxpr(residual_leaves, static_argnums=0)(fn, w, x_aval, side)
+    jaxpr = closed.jaxpr
+    wanted = [v for v, d in zip(jaxpr.outvars, drop, strict=True) if d]
+    needed = {v for v in wanted if isinstance(v, Var)}
+    eqns = []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in needed for v in eqn.outvars):
+            eqns.append(eqn)
+            needed.update(v for v in eqn.invars if isinstance(v, Var))
+    n_x = len(jax.tree.leaves(x_aval))
+    args = jax.tree.leaves(w) + [None] * n_x + jax.tree.leaves(side)
+    env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    read = lambda v: env[v] if isinstance(v, Var) else v.val
+    for eqn in reversed(eqns):
+        if any(env.get(v, 0) is None for v in eqn.invars if isinstance(v, Var)):
+            raise AssertionError(f"residuals: {eqn.primitive} of a weight-only residual reads the activations")
+        params = eqn.primitive.get_bind_params(eqn.params)
+        subfuns, params = params if isinstance(params, tuple) else ((), params)  # older jax: (subfuns, params)
+        with eqn.ctx.manager:
+            out = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **params)
+        env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out], strict=True))
+    return [read(v) for v in wanted]
+
+
 def rebuild(tree, kept: Sequence[Any], fresh: Sequence[Any]):
     """The forward's vjp (`tree`, its treedef) on its kept residuals, the dropped ones (None in
-    `kept`) taken from `fresh`, the residuals recomputed in backward."""
-    if len(kept) != len(fresh):
-        raise AssertionError(f"residuals: backward traced {len(fresh)} residuals, forward {len(kept)}")
-    return jax.tree.unflatten(tree, [f if k is None else k for k, f in zip(kept, fresh, strict=True)])
+    `kept`) taken in order from `fresh` (`weight_only_values`, recomputed in backward)."""
+    fresh = iter(fresh)
+    leaves = [next(fresh) if k is None else k for k in kept]
+    if next(fresh, None) is not None:
+        raise AssertionError("residuals: backward recomputed more residuals than the forward dropped")
+    return jax.tree.unflatten(tree, leaves)
 
 
 def _reads(jaxpr, in_flags: list[int]) -> list[int]:

@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import comm
 from jaxdist import tp as tp_math
 from jaxdist._pipeline import AsyncOp, check_buffers, kept, pipelined_loop
-from jaxdist._residuals import rebuild, residual_leaves, weight_only
+from jaxdist._residuals import rebuild, weight_only, weight_only_values
 from jaxdist._step import PlacedStep, TrainState, local_batch_avals, optimizer_step
 from jaxdist._tp_grads import tp_summed
 from jaxdist.canonical import canonical_avals, check_canonical, mirror_map, with_shardings
@@ -979,10 +979,11 @@ class ParallelRun:
                 return dx_in, dw, y
             if mode == "rebuild":
                 # the weights' own residuals from the re-gathered weights (values XLA cannot merge with the
-                # forward's: each gather packs its own copy), on zeros for x: none of them reads it, and
-                # XLA drops the rest of this trace
+                # forward's: each gather packs its own copy); only their equations run, none reads x
                 tree, kept_leaves = saved_vjp[i]
-                fresh = residual_leaves(block_side_fn(i), w, jnp.zeros_like(saved_x[i]), side(i))
+                drop = [k is None for k in kept_leaves]
+                x_aval = jax.ShapeDtypeStruct(saved_x[i].shape, saved_x[i].dtype)
+                fresh = weight_only_values(block_side_fn(i), w, x_aval, side(i), drop)
                 dw, dx_in = rebuild(tree, kept_leaves, fresh)(carry)
                 return dx_in, dw, y
             # replayed on the saved input, which rides in the carry: tied like the gradient, after the

@@ -245,6 +245,31 @@ def test_weight_only_residuals_are_those_reading_the_weights_and_not_x():
     assert changed and not any(flags[i] for i in changed)
 
 
+def test_rebuilt_residuals_equal_the_forwards_and_run_none_of_its_ops_on_activations():
+    """Backward evaluates only the equations of the weight-only residuals: an effectful op on x (the
+    nccl backend's collectives are side-effecting FFI calls XLA keeps) does not run again."""
+    seen = []
+
+    def fn(w, x, side):
+        jax.debug.callback(lambda v: seen.append(v), x)  # effectful, on the activations
+        return jnp.tanh(x @ w["a"].astype(jnp.bfloat16).astype(jnp.float32).T) * side, None
+
+    w, x, side = {"a": jnp.full((4, 4), 0.5)}, jnp.ones((3, 4)), jnp.ones((3, 4))
+    drop = _residuals.weight_only(fn, w, x, side)
+    assert any(drop)
+    leaves = _residuals.residual_leaves(fn, w, x, side)
+    seen.clear()
+    aval = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    fresh = jax.jit(lambda w: _residuals.weight_only_values(fn, w, aval, side, drop))(w)
+    jax.effects_barrier()
+    assert seen == []  # the callback on x did not run
+    expected = [leaf for leaf, d in zip(leaves, drop, strict=True) if d]
+    for a, b in zip(fresh, expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    jaxpr = jax.make_jaxpr(lambda w: _residuals.weight_only_values(fn, w, aval, side, drop))(w)
+    assert "debug_callback" not in str(jaxpr) and "tanh" not in str(jaxpr)
+
+
 def test_remat_options_and_where_keeping_activations_is_refused():
     from jaxdist.pipeline import Pipelined
 
