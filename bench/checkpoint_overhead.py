@@ -9,7 +9,7 @@ copy of the state (orbax's blocking part) nor, in steady state, than writing its
 a save waits for the one in flight: the table gives the checkpoint's size so the bound can be
 read off.
 
-    python bench/checkpoint_overhead.py --flavor 124m --batch 16 --steps 60 [--dir /dev/shm/ckpt]
+    python bench/checkpoint_overhead.py --flavor 124m --batch 16 --steps 60 [--every 0,10,1] [--dir /dev/shm/ckpt]
 """
 
 import argparse
@@ -26,7 +26,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from results import append_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = {"no checkpoints": -1, "every 10 steps": 10, "every step": 1}
+
+
+def config_name(every: int) -> str:
+    return "no checkpoints" if every <= 0 else "every step" if every == 1 else f"every {every} steps"
 
 
 def run(out: Path, args, every: int) -> dict:
@@ -53,14 +56,19 @@ def main():
     p.add_argument("--window", type=int, default=10, help="steps per tokens/s window (run.log_every)")
     p.add_argument("--dir", default=None, help="where the runs write (default: a temporary directory)")
     p.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
+    p.add_argument("--every", default="0,10,1", help="checkpoint intervals to run, in steps (0: none, the reference)")
     p.add_argument("extra", nargs="*", help="more trainer overrides, e.g. parallel.fsdp=2")
     args = p.parse_args()
+    intervals = [int(e) for e in args.every.split(",")]
+    if 0 not in intervals:
+        intervals.insert(0, 0)  # the reference
     base = Path(args.dir or tempfile.mkdtemp(prefix="jaxdist-ckpt-bench-"))
     results = {}
-    for name, every in CONFIGS.items():
+    for every in intervals:
+        name = config_name(every)
         out = base / name.replace(" ", "_")
         shutil.rmtree(out, ignore_errors=True)
-        results[name] = run(out, args, every)
+        results[name] = run(out, args, every if every > 0 else -1)
         shutil.rmtree(out, ignore_errors=True)
         print(name, results[name], flush=True)
     ref = results["no checkpoints"]["tokens_per_s"]
