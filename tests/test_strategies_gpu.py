@@ -61,10 +61,12 @@ def test_ddp_nccl_matches_xla(zero1):
     _assert_same(out["nccl"], out["xla"])
 
 
+@pytest.mark.parametrize("remat", [None, False], ids=["recompute", "keep-activations"])
 @pytest.mark.parametrize("delay_us", [0, 300], ids=["no-delay", "delay"])
-def test_fsdp_nccl_matches_xla(delay_us):
+def test_fsdp_nccl_matches_xla(delay_us, remat):
     """With the delay, a read of an in-flight buffer gives wrong numbers: this caught the nccl
-    handles carried through FSDP's scan (XLA copied them early); the loop now unrolls."""
+    handles carried through FSDP's scan (XLA copied them early); the loop now unrolls. Both ways
+    backward gets activations: recomputed, or kept with the weights' residuals rebuilt."""
     from jaxdist.comm import nccl
 
     mesh = _mesh("fsdp")
@@ -76,7 +78,7 @@ def test_fsdp_nccl_matches_xla(delay_us):
         nccl.set_debug_delay(delay_us if backend == "nccl" else 0)
         try:
             model = GPT(cfg, nnx.Rngs(0))
-            run = FSDP(mesh, backend=backend).prepare(model, optax.adam(1e-3), units, batches[0])
+            run = FSDP(mesh, backend=backend, remat=remat).prepare(model, optax.adam(1e-3), units, batches[0])
             out[backend] = _train(run, batches)
         finally:
             nccl.set_debug_delay(0)
