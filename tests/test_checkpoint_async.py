@@ -52,3 +52,33 @@ def test_the_checksum_pass_runs_in_the_background_and_is_complete_after_wait(tmp
     assert time.perf_counter() - t >= slow
     assert (ckpt.directory / "1" / checkpoint.CHECKSUMS).is_file()
     ckpt.close()
+
+
+def test_uncompressed_by_default_and_older_compressed_checkpoints_still_restore(tmp_path):
+    """Arrays are written without zstd unless asked (float32 state: ~8% larger, ~2x faster to
+    write); a checkpoint saved by the previous format (orbax's StandardSave, compressed) restores."""
+    import orbax.checkpoint as ocp
+
+    state = {"w": np.zeros((256, 256), np.float32), "step": np.int32(7)}  # 256 KiB, all zeros
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_one_device()), state)
+    for compress in (False, True):
+        ckpt = Checkpoints(tmp_path / str(compress), keep=1, compress=compress)
+        ckpt.save(1, state, {})
+        ckpt.wait()
+        written = sum(f.stat().st_size for f in (ckpt.directory / "1" / "state").rglob("*") if f.is_file())
+        assert written < 64 << 10 if compress else written > 256 << 10
+        restored = ckpt.restore(1, target)
+        ckpt.close()
+        jax.tree.map(np.testing.assert_array_equal, restored, state)
+    old_dir = tmp_path / "old" / "checkpoints"
+    options = ocp.CheckpointManagerOptions(create=True)
+    with ocp.CheckpointManager(old_dir, options=options, item_names=("state", "meta")) as old:
+        old.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({})))
+        old.wait_until_finished()
+    ckpt = Checkpoints(tmp_path / "old", keep=1)
+    jax.tree.map(np.testing.assert_array_equal, ckpt.restore(3, target), state)
+    ckpt.close()
+
+
+def _one_device():
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -91,6 +91,7 @@ class RunConfig:
     log_every: int = _key(10, "steps between metrics rows")
     checkpoint_every: int = _key(100, "steps between checkpoints; 0: only at the end; -1: none")
     keep_checkpoints: int = _key(2, "newest checkpoints kept")
+    checkpoint_compress: bool = _key(False, "zstd-compress checkpoints (float32 state ~8% smaller, ~2x slower saves)")
     resume: bool = _key(True, "continue from the newest checkpoint in out_dir")
     init_from: str = _key("", "start a new run from these parameters (the OUT of `jaxdist export`); empty: none")
     overwrite: bool = _key(False, "start over in an out_dir that holds a run, deleting its checkpoints and metrics")

@@ -298,7 +298,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     evaluator = hooks.evaluator(cfg, mcfg, out_dir, batch_sharding)
     model_meta = {k: (str(v) if k == "dtype" or k == "param_dtype" else v) for k, v in dataclasses.asdict(mcfg).items()}
     layout = layout_of(cfg, mesh)
-    ckpt = Checkpoints(out_dir, cfg.run.keep_checkpoints) if cfg.run.checkpoint_every >= 0 else None
+    keep, compress = cfg.run.keep_checkpoints, cfg.run.checkpoint_compress
+    ckpt = Checkpoints(out_dir, keep, compress=compress) if cfg.run.checkpoint_every >= 0 else None
 
     start, meta = 0, None
     found = _newest_meta(ckpt, model_meta) if (ckpt and cfg.run.resume) else None
