@@ -11,7 +11,7 @@ batch is `--per-gpu-batch` sequences per GPU (weak scaling), the same tokens
 for every configuration on the same GPU count. After two warm-up steps (the first
 compiles), `ms/step` is the time of `--steps` steps dispatched back to back (as the
 trainer runs them: the host dispatches step i+1 while the GPUs run step i) over
-`--steps`; `sync ms` is the median of as many steps each waited for before the next
+`--steps`, the median of three such windows; `sync ms` is the median of as many steps each waited for before the next
 is dispatched (the step's latency, host dispatch included), and `dispatch ms` the
 median time until such a call returns (the host's dispatch, on idle devices).
 tokens/s, MFU and the ratios come from `ms/step`.
@@ -214,12 +214,16 @@ def measure(flavor: str, config: str, per_gpu_batch: int, steps: int, profile: s
     state, metrics = run.step(state, batch)
     # as the trainer runs: steps dispatched back to back (the host's dispatch of step i+1 overlaps
     # the devices' step i), one wait at the end; the throughput figure
-    jax.block_until_ready(state)
-    t = time.perf_counter()
-    for _ in range(steps):
-        state, metrics = run.step(state, batch)
-    jax.block_until_ready(state)
-    pipelined = (time.perf_counter() - t) / steps
+    # three windows, the median one: a single window's mean takes any one-off stall of the host whole
+    windows = []
+    for _ in range(3):
+        jax.block_until_ready(state)
+        t = time.perf_counter()
+        for _ in range(steps):
+            state, metrics = run.step(state, batch)
+        jax.block_until_ready(state)
+        windows.append((time.perf_counter() - t) / steps)
+    pipelined = float(np.median(windows))
     # one step at a time, waited each time: the step's latency including the host's dispatch, and
     # the dispatch alone (the call's return, on idle devices)
     times, dispatch = [], []
@@ -362,7 +366,8 @@ def main() -> None:
     device = f"{n} x {done[0]['device']}" if done else "unknown device"
     header = (
         f"{device}, jax {jax.__version__}, {args.per_gpu_batch} sequences per GPU, bf16 compute, float32 "
-        f"parameters, AdamW, {args.steps} steps back to back (sync ms: median of {args.steps} waited steps); "
+        f"parameters, AdamW, median of 3 windows of {args.steps} steps back to back (sync ms: median of "
+        f"{args.steps} waited steps); "
         "MFU on the datasheet dense bf16 peak"
     )
     out = header + "\n\n" + table(rows, args.baseline)
