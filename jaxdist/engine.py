@@ -904,7 +904,14 @@ class ParallelRun:
         # RNG streams folded with the step and this data rank (every tp rank of it draws the same)
         rank = jax.lax.axis_index(_axes(cfg.data_axes)) if cfg.data_axes else 0
         outer_in = self.outer_state.for_step(model_state["outer"], rank, step)
-        blocks_in = [ms.for_step(model_state["blocks"][i], rank, step) for i, ms in enumerate(self.block_states or [])]
+        # under sequence parallelism a block sees only values that differ per tp rank (its chunk of the
+        # tokens, then its heads / features), so each tp rank draws its own masks, as one device draws
+        # one per token; without it the activations between tp layers are whole and every tp rank must
+        # draw the same
+        block_rank = rank * cfg.tp + jax.lax.axis_index(cfg.tp_axis) if cfg.sequence_parallel else rank
+        blocks_in = [
+            ms.for_step(model_state["blocks"][i], block_rank, step) for i, ms in enumerate(self.block_states or [])
+        ]
         gather, reduce = self._ops()
         pieces = dict(enumerate(jax.tree.leaves(params)))
         unit = lambda ks: {k: pieces[k] for k in ks}
