@@ -275,12 +275,15 @@ def test_state_is_the_models_parameter_tree_sharded_over_the_mesh():
 # -- structure: published weights, remat, schedule, dtype ----------------------------------------
 
 
-def test_every_block_computes_with_this_steps_published_weights():
+@pytest.mark.parametrize("remat", [None, False], ids=["recompute", "keep-activations"])
+def test_every_block_computes_with_this_steps_published_weights(remat):
     """Seed 000: a block that read its weights before this step's gather published them would
-    compute with last step's. The per-block sum of the weights used equals this step's state."""
+    compute with last step's. Per block, the sum of the weights forward used, and of those backward
+    used (ZeRO-3 gathers again: to recompute, or to rebuild the weights' own residuals while keeping
+    the activations), equals this step's state, every step."""
     mesh = cpu_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
     cfg = tp_plan_for(GPT_CFG)
-    run = Parallel(mesh, plan=cfg, record_weights=True).prepare(
+    run = Parallel(mesh, plan=cfg, remat=remat, record_weights=True).prepare(
         GPT(GPT_CFG, nnx.Rngs(0)), adamw(), UNITS, gpt_batches(1)[0]
     )
     state, previous = run.state, None
@@ -291,6 +294,7 @@ def test_every_block_computes_with_this_steps_published_weights():
         ]
         state, m = run.step(state, batch)
         np.testing.assert_allclose(np.asarray(m["weights_used"]), published, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(m["weights_used_backward"]), published, rtol=1e-5)
         if previous is not None:
             assert np.all(np.abs(np.asarray(published) - previous) > 1e-6)
         previous = np.asarray(published)
