@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.extend.core import Var
+from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 
 from jaxdist._tp_grads import sub_jaxprs
 
@@ -54,28 +54,64 @@ def weight_only_values(fn: Callable, w, x_aval, side, drop: Sequence[bool]) -> l
     the block's side-effecting ops on activations (the nccl backend's collectives are FFI calls XLA
     must keep), i.e. recompute the forward it exists to avoid. `x_aval` gives only x's shapes."""
     closed = jax.make_jaxpr(residual_leaves, static_argnums=0)(fn, w, x_aval, side)
-    jaxpr = closed.jaxpr
-    wanted = [v for v, d in zip(jaxpr.outvars, drop, strict=True) if d]
-    needed = {v for v in wanted if isinstance(v, Var)}
-    eqns = []
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in needed for v in eqn.outvars):
-            eqns.append(eqn)
-            needed.update(v for v in eqn.invars if isinstance(v, Var))
     n_x = len(jax.tree.leaves(x_aval))
-    args = jax.tree.leaves(w) + [None] * n_x + jax.tree.leaves(side)
-    env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    args = jax.tree.leaves(w) + [None] * n_x + jax.tree.leaves(side)  # None: x, never read
+    return _evaluate(closed.jaxpr, closed.consts, args, list(drop))
+
+
+def _evaluate(jaxpr, consts, args: list, wanted: list[bool]) -> list:
+    """The outputs of `jaxpr` flagged in `wanted`, running only the equations they need; a call (a
+    jit, ...) whose other outputs read the activations (None in `args`) is evaluated inside, for
+    the wanted outputs alone."""
+    plan, _ = _plan(jaxpr, wanted)
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
-    read = lambda v: env[v] if isinstance(v, Var) else v.val
-    for eqn in reversed(eqns):
-        if any(env.get(v, 0) is None for v in eqn.invars if isinstance(v, Var)):
-            raise AssertionError(f"residuals: {eqn.primitive} of a weight-only residual reads the activations")
+    read = lambda v: env.get(v) if isinstance(v, Var) else v.val
+    for eqn, outs in plan:
+        ins = [read(v) for v in eqn.invars]
+        if any(a is None for a in ins):
+            body = _call_body(eqn)
+            if body is None:
+                raise AssertionError(f"residuals: {eqn.primitive} of a weight-only residual reads the activations")
+            values = iter(_evaluate(*body, ins, outs))
+            env.update((v, next(values)) for v, o in zip(eqn.outvars, outs, strict=True) if o)
+            continue
         params = eqn.primitive.get_bind_params(eqn.params)
         subfuns, params = params if isinstance(params, tuple) else ((), params)  # older jax: (subfuns, params)
         with eqn.ctx.manager:
-            out = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **params)
+            out = eqn.primitive.bind(*subfuns, *ins, **params)
         env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out], strict=True))
-    return [read(v) for v in wanted]
+    return [read(v) for v, want in zip(jaxpr.outvars, wanted, strict=True) if want]
+
+
+def _plan(jaxpr, wanted: list[bool]) -> tuple[list, list[bool]]:
+    """The equations of `jaxpr` the `wanted` outputs need, in order, each with the outputs of it
+    needed, and which inputs they read (a call's: those its needed outputs read)."""
+    needed = {v for v, want in zip(jaxpr.outvars, wanted, strict=True) if want and isinstance(v, Var)}
+    plan = []
+    for eqn in reversed(jaxpr.eqns):
+        outs = [v in needed for v in eqn.outvars]
+        if not any(outs):
+            continue
+        body = _call_body(eqn)
+        ins = _plan(body[0], outs)[1] if body is not None else [True] * len(eqn.invars)
+        plan.append((eqn, outs))
+        needed.update(v for v, i in zip(eqn.invars, ins, strict=True) if i and isinstance(v, Var))
+    return plan[::-1], [v in needed for v in jaxpr.invars]
+
+
+def _call_body(eqn):
+    """`(jaxpr, consts)` of a call equation that applies its one jaxpr to its operands, else None."""
+    if eqn.primitive.name not in _CALLS:
+        return None
+    bodies = [j for j in eqn.params.values() if isinstance(j, (ClosedJaxpr, Jaxpr))]
+    if len(bodies) != 1:
+        return None
+    body = bodies[0]
+    jaxpr, consts = (body.jaxpr, body.consts) if isinstance(body, ClosedJaxpr) else (body, [])
+    if len(jaxpr.invars) != len(eqn.invars) or len(jaxpr.outvars) != len(eqn.outvars):
+        return None
+    return jaxpr, consts
 
 
 def rebuild(tree, kept: Sequence[Any], fresh: Sequence[Any]):

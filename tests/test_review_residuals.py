@@ -1,0 +1,74 @@
+"""Review: ZeRO-3 keeping activations (`remat=False`) with a block that calls a jitted function on
+its weights and activations together. The jit's outputs include a residual of the weights alone
+(tanh(w)) next to ones of x; rebuilding it in backward must evaluate only that part of the jit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from meshes import cpu_mesh
+from test_ddp import LOSS_RTOL, assert_params_close
+from test_engine import engine_run, mlp_batches, mlp_loss, reference
+
+from jaxdist import _residuals
+from jaxdist.engine import Parallel, Units
+
+
+@jax.jit
+def _jitted_layer(w, x):
+    return x @ jnp.tanh(w)  # tanh(w) and 1 - tanh(w)**2: residuals of w alone, inside the jit
+
+
+def _fn(w, x, side):
+    return jnp.sin(jax.jit(lambda v: _jitted_layer(w["a"], v))(jnp.cos(x))) * side, None
+
+
+def test_weight_only_values_inside_a_jit_that_also_reads_x():
+    w, x, side = {"a": jnp.full((4, 4), 0.3)}, jnp.ones((2, 4)), jnp.full((2, 4), 2.0)
+    drop = _residuals.weight_only(_fn, w, x, side)
+    assert any(drop)
+    leaves = _residuals.residual_leaves(_fn, w, x, side)
+    fresh = _residuals.weight_only_values(_fn, w, jax.ShapeDtypeStruct(x.shape, x.dtype), side, drop)
+    expected = [leaf for leaf, d in zip(leaves, drop, strict=True) if d]
+    assert len(fresh) == len(expected)
+    for a, b in zip(fresh, expected, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+class _Block(nnx.Module):
+    def __init__(self, d, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (d, d)) * 0.3)
+
+    def __call__(self, x):
+        return x + _jitted_layer(self.w[...], x)
+
+
+class _Model(nnx.Module):
+    def __init__(self, rngs, d_in=5, d=8, d_out=6, layers=2):
+        self.inp = nnx.Linear(d_in, d, rngs=rngs)
+        self.layers = nnx.List([_Block(d, rngs) for _ in range(layers)])
+        self.out = nnx.Linear(d, d_out, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+_UNITS = Units(
+    embed=lambda m, b: m.inp(b["x"]),
+    head_loss=lambda m, x, b: jnp.mean((m.out(x) - b["y"]) ** 2),
+    blocks="layers",
+)
+
+
+def test_keep_activations_with_a_jitted_helper_in_the_block_matches_single_device():
+    data = mlp_batches(2)
+    make = lambda: _Model(nnx.Rngs(0))
+    ref_losses, ref_params, _ = reference(make, mlp_loss, data, optax.sgd(0.5))
+    strategy = Parallel(cpu_mesh((8,), ("fsdp",)), remat=False)
+    losses, params, *_ = engine_run(strategy, make, _UNITS, data, optax.sgd(0.5))
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    assert_params_close(params, ref_params, atol=1e-5)
