@@ -181,6 +181,8 @@ class Parallel:
             raise ValueError(f"Parallel: remat must be None (auto), True or False, got {self.remat!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("Parallel: sequence_parallel needs a tp axis of size > 1")
+        if self.sequence_dim is not None and not self.sequence_parallel:
+            raise ValueError("Parallel: sequence_dim only applies with sequence_parallel=True; drop it or turn that on")
         if self.update_in_backward and self.max_grad_norm is not None:
             raise ValueError(
                 "Parallel: update_in_backward updates each unit before the global gradient norm exists, so it cannot "

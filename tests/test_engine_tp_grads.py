@@ -167,10 +167,11 @@ def test_sequence_parallel_falls_back_to_the_sequence_when_tp_does_not_divide_th
     [
         ({}, r"dimension 1 of the activations \(1, 7, 16\) over tp=2"),  # neither batch 1 nor 7 tokens divide
         ({"sequence_dim": 2}, r"dimension 2 .*\(not the last, the features\)"),
+        ({"sequence_dim": 1, "sequence_parallel": False}, r"sequence_dim only applies with sequence_parallel=True"),
     ],
 )
 def test_sequence_parallel_on_a_dimension_tp_does_not_divide_raises(options, match):
     data = [{k: v[:1, :7] for k, v in b.items()} for b in batches(1)]
-    strategy = Parallel(cpu_mesh((1, 2), ("dp", "tp")), plan=PLAN, sequence_parallel=True, **options)
     with pytest.raises(ValueError, match=match):
+        strategy = Parallel(cpu_mesh((1, 2), ("dp", "tp")), plan=PLAN, **{"sequence_parallel": True, **options})
         strategy.prepare(QKNormModel(nnx.Rngs(0), layers=1), optax.sgd(0.1), UNITS, data[0])

@@ -168,19 +168,26 @@ def test_the_nccl_backend_without_gpus_says_to_use_xla():
         jax.jit(f).lower(jax.ShapeDtypeStruct((8,), jnp.float32, sharding=jax.NamedSharding(mesh, jax.P("x"))))
 
 
+# A poll that finds the op still in progress after 500 us sleeps instead (with back-off): on a
+# loaded machine a yield can give the CPU away that long, so the tests count yields and sleeps
+# together where the clock decides between them.
+
+
 def test_local_poll_mode_busy_polls_a_short_wait_then_yields(runs):
-    # the first 8 in-progress answers are busy-polled (no yield, no sleep); later ones yield
-    # the CPU, where NCCL's group thread waits to run
+    # the first 8 in-progress answers are busy-polled (no yield); later ones yield the CPU, where
+    # NCCL's group thread waits to run
     short, longer = runs["poll_local_5_in_progress"], runs["poll_local_20_in_progress"]
     assert short["error"] is None and longer["error"] is None
     assert short["log"].count("CommGetAsyncError -> InProgress") == 5
-    assert short["counts"] == {"yields": 0, "sleeps": 0}
-    assert longer["counts"] == {"yields": 20 - 8, "sleeps": 0}
+    assert short["counts"]["yields"] == 0
+    assert longer["counts"]["yields"] + longer["counts"]["sleeps"] == 20 - 8
+    assert longer["counts"]["yields"] >= 1
 
 
 def test_yield_poll_mode_yields_between_polls(runs):
     r = runs["poll_yield_20_in_progress"]
-    assert r["error"] is None and r["counts"] == {"yields": 20, "sleeps": 0}
+    assert r["error"] is None
+    assert r["counts"]["yields"] + r["counts"]["sleeps"] == 20 and r["counts"]["yields"] >= 1
 
 
 def test_local_poll_mode_starts_nccls_group_thread_on_the_issuing_cpu(runs):

@@ -144,6 +144,22 @@ def test_parallel_remat_selects_how_backward_gets_the_activations(overrides, rem
     assert run.cfg.backward_residuals == residuals
 
 
+def test_parallel_remat_true_under_plain_ddp_is_refused_not_ignored():
+    import jax
+    from flax import nnx
+
+    from jaxdist.train import trainer
+    from jaxdist.train.gpt import GPT
+
+    c = config_lib.load(None, [*BASE, "model.n_layers=1", "parallel.remat=true"])
+    config_lib.validate(c)
+    model_cfg = trainer.model_config(c)
+    optimizer, _ = trainer.make_optimizer(c)
+    batch = {"tokens": np.zeros((16, model_cfg.seq_len + 1), np.int32)}
+    with pytest.raises(ConfigError, match=r"parallel.remat=true .* DDP keeps every activation"):
+        trainer.parallelize(c, trainer.make_mesh(c, jax.devices()), GPT(model_cfg, nnx.Rngs(0)), optimizer, batch)
+
+
 def test_parallel_remat_reads_toml_booleans_and_auto(tmp_path):
     path = tmp_path / "c.toml"
     for text, value in (("remat = false", False), ("remat = true", True), ('remat = "auto"', "auto")):

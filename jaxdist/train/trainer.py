@@ -158,6 +158,11 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
             backend=p.backend,
         )
         return strategy.prepare(model, optimizer, Units(embed_inputs, head_loss), batch)
+    if p.remat is True:  # DDP differentiates the whole loss: it has no blocks to recompute
+        raise ConfigError(
+            "parallel.remat=true recomputes blocks in FSDP, TP and the pipeline (parallel.fsdp, tp or pp > 1); "
+            "DDP keeps every activation: set parallel.remat=auto, or shard with parallel.fsdp"
+        )
     strategy = DDP(
         mesh,
         zero1=p.zero1,
