@@ -64,7 +64,8 @@ def test_gpt_sgd_step_and_grad_norm_match_single_device(mesh_name):
     assert_params_close(params, ref_params, atol=1e-5)
 
 
-@pytest.mark.parametrize("update_in_backward", [False, True], ids=["", "update-in-backward"])
+# AdamW without update_in_backward is the SGD test's program with another optimizer: left out for suite time
+@pytest.mark.parametrize("update_in_backward", [True], ids=["update-in-backward"])
 def test_gpt_adamw_matches_single_device_through_the_fsdp_wrapper(update_in_backward):
     """HSDP; with update_in_backward each unit is updated as soon as its rebuilt backward reduced it."""
     data = gpt_batches(2)
@@ -79,7 +80,7 @@ def test_gpt_adamw_matches_single_device_through_the_fsdp_wrapper(update_in_back
     assert_params_close(params, ref_params)
 
 
-@pytest.mark.parametrize("mesh_name", ["fsdp8", "dp2xfsdp2xtp2"])
+@pytest.mark.parametrize("mesh_name", ["dp2xfsdp2xtp2"])  # fsdp included; the GPT covers fsdp8 alone
 def test_any_optax_chain_is_exact_on_a_model_that_is_not_the_gpt(mesh_name):
     """tests/test_engine.py's ResMLP (odd widths: some leaves not split over fsdp) with a global-norm
     clip and per-path transforms."""
@@ -94,7 +95,8 @@ def test_any_optax_chain_is_exact_on_a_model_that_is_not_the_gpt(mesh_name):
     assert_params_close(params, ref_params)
 
 
-@pytest.mark.parametrize("mesh_name", ["fsdp8-list", "dp2xfsdp2xtp2-stacked-seqpar"])
+# listed blocks run through the GPT's tests; the stacked ones here, with every side input
+@pytest.mark.parametrize("mesh_name", ["dp2xfsdp2xtp2-stacked-seqpar"])
 def test_transformer_with_side_inputs_matches_single_device(mesh_name):
     """tests/test_engine_models.py's transformer: RoPE positions and a padding mask as side inputs
     (their residuals, e.g. the mask, are kept), GQA, a token-count loss; layers as a list, or stacked
