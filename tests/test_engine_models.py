@@ -248,7 +248,8 @@ STEPS = 2
 MESHES = {
     "fsdp8": ((8,), ("fsdp",), {}),
     "dp4xtp2-remat": ((4, 2), ("dp", "tp"), {"remat": True}),
-    "dp2xfsdp2xtp2-seqpar": ((2, 2, 2), ("dp", "fsdp", "tp"), {"sequence_parallel": True}),
+    # ZeRO-3 keeping activations (remat=False); fsdp8 recomputes (the default)
+    "dp2xfsdp2xtp2-seqpar-keep": ((2, 2, 2), ("dp", "fsdp", "tp"), {"sequence_parallel": True, "remat": False}),
 }
 
 
