@@ -145,7 +145,7 @@ def xla_auto():
     return xla_auto
 
 
-SHALLOW, DEEP = 2, 6  # model depths whose temp memory is compared (few: each depth compiles 3 steps)
+SHALLOW, DEEP = 2, 4  # model depths whose temp memory is compared (few: each depth compiles 3 steps)
 
 
 @pytest.fixture(scope="module")
