@@ -20,8 +20,8 @@ Orbax does not checksum its data files (a flipped byte restores silently as a
 wrong value), so after each save the size and CRC-32 of every file go into
 `CHECKSUMS`; a checkpoint that fails it, or that orbax cannot read, is moved
 to `checkpoints.unreadable/` and the previous one is used instead. The
-checksums are computed in the background too (reading back a checkpoint of
-1.28 GiB took the training loop ~0.5 s per save when it ran in `wait`).
+checksums are computed in the background too (reading a checkpoint back for
+them held the training loop in `wait`: 0.2 s per save of 512 MiB on CPU).
 """
 
 from __future__ import annotations
