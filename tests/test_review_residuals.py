@@ -9,10 +9,10 @@ import optax
 from flax import nnx
 from meshes import cpu_mesh
 from test_ddp import LOSS_RTOL, assert_params_close
-from test_engine import engine_run, mlp_batches, mlp_loss, reference
+from test_engine import MLP_UNITS, ResMLP, engine_run, mlp_batches, mlp_loss, reference
 
 from jaxdist import _residuals
-from jaxdist.engine import Parallel, Units
+from jaxdist.engine import Parallel
 
 
 @jax.jit
@@ -44,31 +44,19 @@ class _Block(nnx.Module):
         return x + _jitted_layer(self.w[...], x)
 
 
-class _Model(nnx.Module):
-    def __init__(self, rngs, d_in=5, d=8, d_out=6, layers=2):
-        self.inp = nnx.Linear(d_in, d, rngs=rngs)
-        self.layers = nnx.List([_Block(d, rngs) for _ in range(layers)])
-        self.out = nnx.Linear(d, d_out, rngs=rngs)
-
-    def __call__(self, x):
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.out(x)
-
-
-_UNITS = Units(
-    embed=lambda m, b: m.inp(b["x"]),
-    head_loss=lambda m, x, b: jnp.mean((m.out(x) - b["y"]) ** 2),
-    blocks="layers",
-)
+def _model(rngs, d=8, layers=2):
+    """tests/test_engine.py's ResMLP with blocks that call the jitted layer."""
+    model = ResMLP(rngs, d=d, layers=0)
+    model.layers = nnx.List([_Block(d, rngs) for _ in range(layers)])
+    return model
 
 
 def test_keep_activations_with_a_jitted_helper_in_the_block_matches_single_device():
     data = mlp_batches(2)
-    make = lambda: _Model(nnx.Rngs(0))
-    ref_losses, ref_params, _ = reference(make, mlp_loss, data, optax.sgd(0.5))
+    make = lambda: _model(nnx.Rngs(0))
+    ref_losses, ref_params, ref_norms = reference(make, mlp_loss, data, optax.sgd(0.5))
     strategy = Parallel(cpu_mesh((8,), ("fsdp",)), remat=False)
-    losses, params, *_ = engine_run(strategy, make, _UNITS, data, optax.sgd(0.5))
+    losses, params, _, _, metrics = engine_run(strategy, make, MLP_UNITS, data, optax.sgd(0.5))
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    np.testing.assert_allclose([float(m["grad_norm"]) for m in metrics], ref_norms, rtol=1e-5)
     assert_params_close(params, ref_params, atol=1e-5)
