@@ -35,6 +35,7 @@ from jaxdist._compat import varying_axes
 from jaxdist.comm import watchdog
 from jaxdist.comm._backend import Backend, current_site, floating_and_int_dtypes
 from jaxdist.comm._checks import as_axis_names
+from jaxdist.comm._ffi_call import ffi_call
 from jaxdist.comm._sequence import sequence
 from jaxdist.comm.watchdog import NcclTimeoutError, check, flight_record, set_recorder  # noqa: F401  (public API)
 
@@ -280,7 +281,7 @@ class NcclBackend(Backend):
     handles_cross_loops = False
 
     def _call(self, target, outs, *args, aliases=None, **attrs):
-        return jax.ffi.ffi_call(target, outs, has_side_effect=True, input_output_aliases=aliases or {})(*args, **attrs)
+        return ffi_call(target, outs, *args, aliases=aliases, **attrs)
 
     def _attrs(self, kind, axis_name, op="sum", perm=()):
         src = np.asarray([s for s, _ in perm], np.int64) if perm else _NO_PERM
