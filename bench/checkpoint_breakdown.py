@@ -1,0 +1,111 @@
+"""Where a checkpoint save's time goes: the blocking copy off the devices, orbax's writes, the checksum pass.
+
+A state of GPT's size (parameters and two Adam moments, float32, replicated on every visible
+device as DDP holds them) is saved `--saves` times through `jaxdist.train.checkpoint.Checkpoints`,
+each save waited for, and each phase timed:
+
+* `save()`: what the training loop waits for when no save is in flight (orbax's device-to-host copy);
+* `write`: orbax's background writes (tensorstore), from `save()` returning to orbax finishing;
+* `checksum`: reading the files back for their CRC-32 (`_file_sums`), also in the background.
+
+A loop that saves every k steps keeps up when write + checksum fit in k steps; the next save waits
+for the rest. `--no-sync` also times writes without tensorstore's fsync (`file_io_sync`).
+
+    python bench/checkpoint_breakdown.py --params 124e6 [--saves 4] [--dir DIR] [--no-sync]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from results import append_result  # noqa: E402
+
+from jaxdist.train import checkpoint as checkpoint_lib  # noqa: E402
+
+
+def gpt_like_state(params: float, leaves: int = 48) -> dict:
+    """Parameters and two moments of `params` float32 values in `leaves` arrays, replicated on every device."""
+    size = int(params) // leaves
+    sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("d",)), jax.P())
+    make = jax.jit(lambda i: jnp.full((size,), i, jnp.float32), out_shardings=sharding, static_argnums=0)
+    return {part: {f"w{i}": make(i) for i in range(leaves)} for part in ("params", "mu", "nu")}
+
+
+def time_saves(state: dict, directory: Path, saves: int) -> dict[str, list[float]]:
+    times = {"save()": [], "write": [], "checksum": []}
+    original = checkpoint_lib._file_sums
+
+    def timed_sums(step_dir):
+        start = time.perf_counter()
+        try:
+            return original(step_dir)
+        finally:
+            times["checksum"].append(time.perf_counter() - start)
+
+    checkpoint_lib._file_sums = timed_sums
+    ckpt = checkpoint_lib.Checkpoints(directory, keep=2)
+    try:
+        for step in range(1, saves + 1):
+            start = time.perf_counter()
+            ckpt.save(step, state, {"step": step})
+            returned = time.perf_counter()
+            ckpt.manager.wait_until_finished()
+            times["save()"].append(returned - start)
+            times["write"].append(time.perf_counter() - returned)
+            ckpt.wait()
+    finally:
+        ckpt.close()
+        checkpoint_lib._file_sums = original
+    return {name: values[1:] or values for name, values in times.items()}  # the first save warms up
+
+
+def set_file_io_sync(enabled: bool) -> None:
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    for context in (tensorstore_utils._BASE_TS_CONTEXT, tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
+        context["file_io_sync"] = enabled
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--params", type=float, default=124e6, help="model parameters (the state is 3x, float32)")
+    p.add_argument("--saves", type=int, default=4)
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    p.add_argument("--no-sync", action="store_true", help="also time writes without fsync")
+    p.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
+    args = p.parse_args()
+    state = gpt_like_state(args.params)
+    gib = 3 * 4 * args.params / 2**30
+    base = Path(args.dir or tempfile.mkdtemp(prefix="jaxdist-ckpt-breakdown-"))
+    variants = {"fsync (tensorstore default)": True, **({"no fsync": False} if args.no_sync else {})}
+    lines = ["| writes | save() s | write s | checksum s | write GiB/s |", "| --- | --- | --- | --- | --- |"]
+    for name, sync in variants.items():
+        set_file_io_sync(sync)
+        times = time_saves(state, base / name.split()[0], args.saves)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        lines.append(
+            f"| {name} | {med['save()']:.3f} | {med['write']:.3f} | {med['checksum']:.3f} | {gib / med['write']:.2f} |"
+        )
+        print(name, {k: [round(x, 3) for x in v] for k, v in times.items()}, flush=True)
+    set_file_io_sync(True)
+    table = "\n".join(lines)
+    print(table)
+    if not args.no_record:
+        device = (
+            f"{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}, {gib:.2f} GiB, in {base}"
+        )
+        append_result("Checkpoint save breakdown (bench/checkpoint_breakdown.py)", " ".join(sys.argv), device, table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Checkpoint checksums: one CRC-32 per piece of each file (summed on several threads), a changed byte
+found in any piece, and checkpoints whose sums were recorded per whole file (the older form) still
+verified."""
+
+import json
+import zlib
+
+import numpy as np
+import pytest
+
+from jaxdist.train import checkpoint
+from jaxdist.train.checkpoint import CHECKSUMS, Checkpoints
+
+
+@pytest.fixture
+def saved(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 4096)  # the state's data file spans many pieces
+    ckpt = Checkpoints(tmp_path, keep=2)
+    ckpt.save(1, {"w": np.arange(20_000, dtype=np.float32)}, {})
+    ckpt.wait()
+    yield ckpt, ckpt.directory / "1"
+    ckpt.close()
+
+
+def _largest(step_dir):
+    return max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _flip_byte(path, offset):
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_each_piece_has_its_crc_and_a_byte_changed_in_a_late_piece_is_found(saved):
+    ckpt, step_dir = saved
+    sums = json.loads((step_dir / CHECKSUMS).read_text())
+    data = _largest(step_dir)
+    size, crcs = sums["files"][str(data.relative_to(step_dir))]
+    raw = data.read_bytes()
+    assert size == len(raw) > 5 * 4096 and sums["chunk_bytes"] == 4096
+    assert crcs == [zlib.crc32(raw[i : i + 4096]) for i in range(0, len(raw), 4096)]  # independent reference
+    ckpt._verify(1)  # intact
+    _flip_byte(data, len(raw) - 10)  # in the last piece
+    with pytest.raises(checkpoint._Unreadable, match="has changed since it was saved"):
+        ckpt._verify(1)
+
+
+def test_sums_recorded_per_whole_file_still_verify_and_still_catch_a_change(saved):
+    ckpt, step_dir = saved
+    older = {
+        str(p.relative_to(step_dir)): [p.stat().st_size, zlib.crc32(p.read_bytes())]
+        for p in sorted(step_dir.rglob("*"))
+        if p.is_file() and p.name != CHECKSUMS
+    }
+    (step_dir / CHECKSUMS).write_text(json.dumps(older))
+    ckpt._verify(1)
+    data = _largest(step_dir)
+    _flip_byte(data, data.stat().st_size // 2)
+    with pytest.raises(checkpoint._Unreadable, match="has changed since it was saved"):
+        ckpt._verify(1)
