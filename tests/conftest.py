@@ -28,8 +28,14 @@ def _gpu_count() -> int:
 
 def pytest_collection_modifyitems(config, items):
     gpus = _gpu_count()
+    in_parallel = bool(os.environ.get("PYTEST_XDIST_WORKER"))
     for item in items:
-        if "multigpu" in item.keywords and gpus < 2:
+        if gpus and in_parallel and ("gpu" in item.keywords or "multigpu" in item.keywords):
+            # two workers would share the GPUs (memory, NCCL communicators): GPU tests run in one process
+            item.add_marker(
+                pytest.mark.skip(reason="GPU tests run without -n: python -m pytest -m 'gpu or multigpu' tests")
+            )
+        elif "multigpu" in item.keywords and gpus < 2:
             item.add_marker(pytest.mark.skip(reason=f"needs 2+ GPUs, found {gpus}"))
         elif "gpu" in item.keywords and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a GPU"))
@@ -54,7 +60,12 @@ def compilation_cache(tmp_path_factory):
     if _gpu_count():
         yield
         return
-    directory = str(tmp_path_factory.mktemp("jax-compilation-cache"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n: the workers of this run share one cache
+        shared = tmp_path_factory.getbasetemp().parent / "jax-compilation-cache"
+        shared.mkdir(exist_ok=True)
+        directory = str(shared)
+    else:
+        directory = str(tmp_path_factory.mktemp("jax-compilation-cache"))
     settings = {"jax_compilation_cache_dir": directory, "jax_persistent_cache_min_compile_time_secs": 0}
     saved = {name: os.environ.get(name.upper()) for name in settings}
     for name, value in settings.items():
