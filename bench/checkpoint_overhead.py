@@ -42,9 +42,15 @@ def run(out: Path, args, every: int) -> dict:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rates = [r["tokens_per_s"] for r in rows[1:]]  # the first window compiles
+    waits = [r.get("checkpoint_s", 0.0) for r in rows[1:]]
     size = sum(f.stat().st_size for f in (out / "checkpoints").rglob("*") if f.is_file()) if every > 0 else 0
     kept = len([d for d in (out / "checkpoints").iterdir() if d.is_dir()]) if every > 0 else 1
-    return {"tokens_per_s": statistics.mean(rates), "windows": len(rates), "ckpt_bytes": size / max(1, kept)}
+    return {
+        "tokens_per_s": statistics.mean(rates),
+        "windows": len(rates),
+        "ckpt_bytes": size / max(1, kept),
+        "wait_s": statistics.mean(waits),
+    }
 
 
 def main():
@@ -72,10 +78,14 @@ def main():
         shutil.rmtree(out, ignore_errors=True)
         print(name, results[name], flush=True)
     ref = results["no checkpoints"]["tokens_per_s"]
-    lines = ["| checkpoints | tokens/s | time vs none | checkpoint size |", "| --- | --- | --- | --- |"]
+    lines = [
+        "| checkpoints | tokens/s | time vs none | checkpoint size | loop waits in saves (s per window) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for name, r in results.items():
         size = f"{r['ckpt_bytes'] / 2**30:.2f} GiB" if r["ckpt_bytes"] else "-"
-        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {ref / r['tokens_per_s']:.3f}x | {size} |")
+        wait = f"{r['wait_s']:.3f}" if r["ckpt_bytes"] else "-"
+        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {ref / r['tokens_per_s']:.3f}x | {size} | {wait} |")
     table = "\n".join(lines)
     print(table)
     if not args.no_record:

@@ -131,3 +131,27 @@ def test_a_full_disk_during_a_save_stops_on_one_line_and_leaves_no_partial_check
     assert "\n" not in str(e.value)
     assert list((out / "checkpoints").iterdir()) == []  # the temporary directory is gone
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_the_time_the_loop_waits_for_checkpoint_saves_is_logged_and_summed(tmp_path, monkeypatch, capsys):
+    """A save waits for the one in flight: the window that does says how long (`checkpoint_s`), and the
+    end-of-run line says what share of the time went there when it is more than 5%."""
+    import time
+
+    from jaxdist.train import checkpoint
+
+    real = checkpoint.Checkpoints._write_checksums
+
+    def slow_checksums(self, step):  # a slow disk: each save finishes 0.5 s after orbax's writes
+        time.sleep(0.5)
+        real(self, step)
+
+    monkeypatch.setattr(checkpoint.Checkpoints, "_write_checksums", slow_checksums)
+    out = tmp_path / "run"
+    train(cfg(out, "run.steps=4", "run.checkpoint_every=1"))
+    waits = [r["checkpoint_s"] for r in rows(out)]
+    assert waits[0] == 0.0  # no save before step 1's row
+    assert all(w >= 0.3 for w in waits[2:])  # save k+1 waited for save k (step 2's window took save 1 alone)
+    assert "waiting for checkpoint saves" in capsys.readouterr().out  # info() prints to stdout
+    train(cfg(tmp_path / "none", "run.steps=2", "run.checkpoint_every=-1"))
+    assert all("checkpoint_s" not in r for r in rows(tmp_path / "none"))  # not computed: left out

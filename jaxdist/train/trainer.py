@@ -342,9 +342,13 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
         "data": source.state(),
     }
 
+    held = {"window": 0.0, "run": 0.0}  # seconds the loop waited in checkpoint saves
+
     def save(step: int):
         if ckpt is not None and step > 0 and step != ckpt.latest():  # a resumed, finished run has it already
+            began = time.perf_counter()
             ckpt.save(step, run.canonical(state), {**meta_out, "step": step})
+            held["window"] += time.perf_counter() - began
 
     step = start
     summary = _Summary()
@@ -378,11 +382,15 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
                     "mfu": mfu,
                     "mem_gb": mem,
                     "skipped": bool(_host(metrics["skipped"])) if "skipped" in metrics else False,
+                    # the previous save still writing, then the copy off the devices (in this window's time)
+                    "checkpoint_s": held["window"] if ckpt is not None and cfg.run.checkpoint_every > 0 else None,
                 }
                 if evaluate:
                     row["val_loss"] = evaluator(run.model(state))
                 row = {k: v for k, v in row.items() if v is not None}  # a metric not computed is left out
                 summary.add(row, window_tokens, elapsed)
+                held["run"] += held["window"] if summary.seconds else 0.0  # as the mean: after the first window
+                held["window"] = 0.0
                 log.write(row)
                 guard.record(row)
                 bar.update(step + 1, row)
@@ -391,7 +399,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
                 save(step + 1)
             stop.check()
         save(end)
-        summary.print(out_dir, ckpt)
+        summary.print(out_dir, ckpt, held["run"])
         if cfg.run.sample_tokens > 0 and end > start:
             hooks.print_sample(cfg, run.model(state), source)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (a scheduler's stop): see _StopRequests
@@ -482,14 +490,18 @@ class _Summary:
             self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
         self.rows.append(row)
 
-    def print(self, out_dir: Path, ckpt: Checkpoints | None) -> None:
+    def print(self, out_dir: Path, ckpt: Checkpoints | None, checkpoint_s: float = 0.0) -> None:
         if not self.rows:
             return
         last = self.rows[-1]
         tps = self.tokens / self.seconds if self.seconds else last["tokens_per_s"]
+        if self.seconds and checkpoint_s > 0.05 * self.seconds:  # worth saying: the loop waited on the disk
+            tps_note = f" ({checkpoint_s:.1f} s of it, {checkpoint_s / self.seconds:.0%}, waiting for checkpoint saves)"
+        else:
+            tps_note = ""
         where = f"metrics in {out_dir / 'metrics.jsonl'}"
         where += f", checkpoints in {ckpt.directory}" if ckpt else ", no checkpoints (run.checkpoint_every=-1)"
-        info(f"done: step {last['step']}, final loss {last['loss']:.4f}, mean {tps:,.0f} tokens/s; {where}")
+        info(f"done: step {last['step']}, final loss {last['loss']:.4f}, mean {tps:,.0f} tokens/s{tps_note}; {where}")
 
 
 class _progress:
@@ -513,6 +525,8 @@ class _progress:
             parts.append(f"MFU {100 * row['mfu']:.1f}%")
         if "mem_gb" in row:
             parts.append(f"mem {row['mem_gb']:.1f} GiB")
+        if row.get("checkpoint_s", 0) >= 0.01:
+            parts.append(f"ckpt wait {row['checkpoint_s']:.2f} s")
         text = "  ".join(parts)
         if self.bar is not None:
             self.bar.n = step
