@@ -74,3 +74,31 @@ def test_nccl_ops_are_side_effecting_in_the_hlo_and_leave_the_jaxpr_effect_free(
     assert all("has_side_effect = true" in line for line in calls)
     assert "perm_src = dense<[0, 1]>" in calls[3] and "kind = 3" in calls[3]
     assert "output_operand_alias<output_tuple_indices = [0], operand_index = 0" in calls[1]  # the start keeps x alive
+
+
+def test_nccl_ops_are_never_dead_code_a_wait_whose_result_is_unused_and_a_collective_in_one_branch_included(
+    monkeypatch,
+):
+    """An effect-free equation whose results are unused is dropped by jit; these must not be: a dropped
+    wait (its start kept, its token feeding later ops) lets XLA free buffers NCCL still writes, and a
+    collective dropped in one branch of a cond on the rank hangs the ranks that take the other."""
+    monkeypatch.setattr(nccl, "_comm_key", lambda axis_name: 7)
+    backend = nccl.NcclBackend()
+    params = {"axis": 0, "tiled": True, "size": 2}
+
+    def body(x):
+        handle = backend.start("all_gather", x, "a", params)
+        backend.finish("all_gather", handle, "a", params)  # the gathered value is never read
+        unused_in_one_branch = jax.lax.cond(
+            jax.lax.axis_index("a") == 0,
+            lambda y: (backend.all_reduce(y, "a", op="sum", size=2), y)[1],
+            lambda y: backend.all_reduce(y, "a", op="sum", size=2),
+            x,
+        )
+        return unused_in_one_branch.sum()
+
+    step = jax.jit(jax.shard_map(body, mesh=cpu_mesh((2,), ("a",)), in_specs=P(), out_specs=P(), check_vma=False))
+    hlo = step.trace(jax.ShapeDtypeStruct((4, 3), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("custom_call @jaxdist_nccl_start") == 1
+    assert hlo.count("custom_call @jaxdist_nccl_wait") == 1
+    assert hlo.count("custom_call @jaxdist_nccl_collective") == 2  # one in each branch
