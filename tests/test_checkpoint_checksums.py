@@ -1,5 +1,6 @@
 """Checkpoint checksums: one CRC-32 per piece of each file (summed on several threads), a changed byte
-found in any piece, and checkpoints whose sums were recorded per whole file (the older form) still
+found in any piece, and checkpoints whose sums were recorded per whole file (the older form, under the
+older file name, which the per-piece form does not reuse: an older jaxdist would misread it) still
 verified."""
 
 import json
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxdist.train import checkpoint
-from jaxdist.train.checkpoint import CHECKSUMS, Checkpoints
+from jaxdist.train.checkpoint import CHECKSUMS, CHECKSUMS_V1, Checkpoints
 
 
 @pytest.fixture
@@ -41,6 +42,8 @@ def test_each_piece_has_its_crc_and_a_byte_changed_in_a_late_piece_is_found(save
     assert size == len(raw) > 5 * 4096 and sums["chunk_bytes"] == 4096
     assert crcs == [zlib.crc32(raw[i : i + 4096]) for i in range(0, len(raw), 4096)]  # independent reference
     ckpt._verify(1)  # intact
+    checkpoint.CHUNK_BYTES = 8192  # a later jaxdist with other pieces still verifies with the recorded ones
+    ckpt._verify(1)
     _flip_byte(data, len(raw) - 10)  # in the last piece
     with pytest.raises(checkpoint._Unreadable, match="has changed since it was saved"):
         ckpt._verify(1)
@@ -53,7 +56,8 @@ def test_sums_recorded_per_whole_file_still_verify_and_still_catch_a_change(save
         for p in sorted(step_dir.rglob("*"))
         if p.is_file() and p.name != CHECKSUMS
     }
-    (step_dir / CHECKSUMS).write_text(json.dumps(older))
+    (step_dir / CHECKSUMS).unlink()  # as an older jaxdist saved it: under the older name, one CRC per file
+    (step_dir / CHECKSUMS_V1).write_text(json.dumps(older))
     ckpt._verify(1)
     data = _largest(step_dir)
     _flip_byte(data, data.stat().st_size // 2)

@@ -18,11 +18,11 @@ directory and renames it when complete, so an interrupted save (a crash, kill
 
 Orbax does not checksum its data files (a flipped byte restores silently as a
 wrong value), so after each save the size and CRC-32 of every file go into
-`CHECKSUMS`; a checkpoint that fails it, or that orbax cannot read, is moved
+`CHECKSUMS` (older checkpoints: `CHECKSUMS_V1`); a checkpoint that fails it, or that orbax cannot read, is moved
 to `checkpoints.unreadable/` and the previous one is used instead. The
 checksums are computed in the background too (reading a checkpoint back for
 them held the training loop in `wait`: 0.2 s per save of 512 MiB on CPU), one
-CRC per 64 MiB piece of a file, on several threads (a GPT-124M train state,
+CRC per 16 MiB piece of a file, on several threads (a GPT-124M train state,
 1.39 GiB, took 1.0 s on one thread of an H200 host: as long as orbax's writes
 without fsync, and the next save waits for both).
 """
@@ -32,7 +32,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import mmap
 import os
 import shutil
 import threading
@@ -40,7 +39,6 @@ import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from pathlib import Path
 from typing import TypeVar
 
@@ -51,7 +49,8 @@ import orbax.checkpoint as ocp
 from jaxdist.train.config import ConfigError
 from jaxdist.train.report import warn
 
-CHECKSUMS = "jaxdist_checksums.json"
+CHECKSUMS = "jaxdist_checksums.v2.json"  # per-piece CRCs; a new name, so an older jaxdist does not misread it
+CHECKSUMS_V1 = "jaxdist_checksums.json"  # per-file CRCs, written by jaxdist before the per-piece form
 T = TypeVar("T")
 
 
@@ -63,39 +62,49 @@ class _Unreadable(Exception):
     """A checkpoint whose files do not match the checksums recorded when it was saved."""
 
 
-CHUNK_BYTES = 64 << 20  # one CRC-32 per piece, so the pieces of one large file are summed in parallel
+CHUNK_BYTES = 16 << 20  # one CRC-32 per piece, so the pieces of one large file are summed in parallel
 
 
-def _mapped(path: Path, size: int, stack: ExitStack) -> memoryview | bytes:
-    """The file's bytes without a copy (a memoryview of an mmap, closed with `stack`)."""
-    if size == 0:
-        return b""  # mmap refuses empty files
-    f = stack.enter_context(path.open("rb"))
-    view = memoryview(stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)))
-    stack.callback(view.release)  # before the mmap closes
-    return view
+def _sum_workers() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))  # the CPUs this process may use (containers, taskset)
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus))
+
+
+_buffers = threading.local()
+
+
+def _piece_crc(path: Path, offset: int, chunk_bytes: int) -> int:
+    """CRC-32 of `chunk_bytes` of `path` from `offset` (fewer at the end), read into this thread's buffer:
+    plain reads, so a bad block or a file truncated meanwhile is an OSError or a short sum, never SIGBUS."""
+    buffer = getattr(_buffers, "piece", None)
+    if buffer is None or len(buffer) < chunk_bytes:
+        buffer = _buffers.piece = bytearray(chunk_bytes)
+    view = memoryview(buffer)
+    with path.open("rb", buffering=0) as f:
+        f.seek(offset)
+        n = f.readinto(view[:chunk_bytes])
+    return zlib.crc32(view[:n])  # the read and zlib.crc32 release the GIL: pieces are summed in parallel
 
 
 def _file_sums(step_dir: Path, chunk_bytes: int | None = None) -> dict:
-    """`{"chunk_bytes": C, "files": {name: [size, [CRC-32 of each C-byte piece]]}}` of the files in `step_dir`.
-    The pieces are summed on several threads (zlib.crc32 releases the GIL)."""
+    """`{"chunk_bytes": C, "files": {name: [size, [CRC-32 of each C-byte piece]]}}` of the files in `step_dir`,
+    the pieces summed on several threads."""
     chunk_bytes = chunk_bytes or CHUNK_BYTES
-    paths = sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS)
-    workers = min(8, os.cpu_count() or 1)
-    with ExitStack() as stack, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxdist-crc") as pool:
-        pending = {}
-        for path in paths:
-            size = path.stat().st_size
-            data = _mapped(path, size, stack)
-            pieces = range(0, max(size, 1), chunk_bytes)
-            pending[str(path.relative_to(step_dir))] = [
-                size,
-                [pool.submit(zlib.crc32, data[o : o + chunk_bytes]) for o in pieces],
-            ]
-        return {
-            "chunk_bytes": chunk_bytes,
-            "files": {name: [size, [f.result() for f in crcs]] for name, (size, crcs) in pending.items()},
-        }
+    sizes = {
+        p: p.stat().st_size
+        for p in sorted(step_dir.rglob("*"))
+        if p.is_file() and not p.name.startswith((CHECKSUMS, CHECKSUMS_V1))
+    }
+    pieces = [(p, offset) for p, size in sizes.items() for offset in range(0, max(size, 1), chunk_bytes)]
+    with ThreadPoolExecutor(max_workers=_sum_workers(), thread_name_prefix="jaxdist-crc") as pool:
+        crcs = list(pool.map(lambda piece: _piece_crc(*piece, chunk_bytes), pieces))
+    files = {str(p.relative_to(step_dir)): [size, []] for p, size in sizes.items()}
+    for (p, _), crc in zip(pieces, crcs, strict=True):
+        files[str(p.relative_to(step_dir))][1].append(crc)
+    return {"chunk_bytes": chunk_bytes, "files": files}
 
 
 def _whole_file_crc(path: Path) -> int:
@@ -213,19 +222,18 @@ class Checkpoints:
     def _verify(self, step: int) -> None:
         """Raise _Unreadable if the files of `step` differ from those recorded at save (if recorded)."""
         step_dir = self.directory / str(step)
-        recorded = step_dir / CHECKSUMS
-        if not recorded.is_file():
-            return  # saved before checksums existed, or the process died right after orbax finished
-        expected = json.loads(recorded.read_text())
-        if "files" not in expected:  # the older form, {name: [size, whole-file CRC-32]}
-            expected = {"files": {n: [size, crc] for n, (size, crc) in expected.items()}}
+        if (step_dir / CHECKSUMS).is_file():
+            expected = json.loads((step_dir / CHECKSUMS).read_text())
+            found = _file_sums(step_dir, expected["chunk_bytes"])
+        elif (step_dir / CHECKSUMS_V1).is_file():  # {name: [size, CRC-32 of the whole file]}
+            expected = {"files": json.loads((step_dir / CHECKSUMS_V1).read_text())}
             found = {"files": {}}
             for name in expected["files"]:
                 path = step_dir / name
                 if path.is_file():
                     found["files"][name] = [path.stat().st_size, _whole_file_crc(path)]
         else:
-            found = _file_sums(step_dir, expected["chunk_bytes"])
+            return  # saved before checksums existed, or the process died right after orbax finished
         for name, (size, crc) in expected["files"].items():
             if name not in found["files"]:
                 raise _Unreadable(f"{name} is missing")
