@@ -463,6 +463,6 @@ class _BucketSchedule(Schedule):
         a rank-major one) in bucket order."""
         while self.pending:
             self._finish_oldest()
-        for b in list(self.gathers):
-            self._wait_gather(b)
+        while self.gathers:  # waiting one starts the next: a snapshot of the started ones would miss it
+            self._wait_gather(next(iter(self.gathers)))
         return [self.reduced[b] for b in range(len(self.layout))]

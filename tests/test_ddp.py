@@ -359,3 +359,36 @@ def test_clipping_and_overlap_off_match_optax_clip(mesh, zero1):
     assert float(metrics[0]["grad_norm"]) > 0.05  # the clip is active
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     assert_params_close(params, ref_params)
+
+
+class WithUnusedLayers(nnx.Module):
+    """A used layer, then layers the loss never reads (a frozen or not yet used head, say)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.used = nnx.Linear(32, 32, rngs=rngs)
+        self.unused = nnx.List([nnx.Linear(32, 32, rngs=rngs) for _ in range(3)])
+
+    def __call__(self, x):
+        return self.used(x)
+
+
+def test_zero1_waits_every_gather_it_starts_even_of_buckets_the_forward_never_reads(mesh, monkeypatch):
+    """ZeRO-1 gathers each bucket just ahead of its first use, and waiting one starts the next; buckets
+    the forward never reads are waited at the end. With the nccl backend a start never waited is an
+    NCCL write into a buffer XLA may already have reused. Lowered for CUDA, so no GPU is needed: every
+    start in the step's HLO has its wait."""
+    from jaxdist.comm import nccl
+
+    monkeypatch.setattr(nccl, "_comm_key", lambda axis_name: 7)
+    monkeypatch.setattr(nccl, "nccl_backend", nccl.NcclBackend)  # tracing needs no GPU or communicator
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(16, 32)).astype(np.float32), "y": rng.normal(size=(16, 32)).astype(np.float32)}
+    run = DDP(mesh, zero1=True, bucket_size=32 * 32 + 32, backend="nccl").prepare(
+        WithUnusedLayers(nnx.Rngs(0)), optax.sgd(0.1), mlp_loss, batch
+    )
+    assert len(run.layout) >= 4  # one bucket per layer: three never read
+    hlo = run.step.jitted.trace(run.state, run.step._place(batch)).lower(lowering_platforms=("cuda",)).as_text()
+    starts, waits = hlo.count("custom_call @jaxdist_nccl_start"), hlo.count("custom_call @jaxdist_nccl_wait")
+    sharded = sum(bucket.sharded for bucket in run.layout.buckets)
+    assert sharded >= 3
+    assert starts == waits == len(run.layout) + sharded  # a reduction per bucket, a gather per sharded one
