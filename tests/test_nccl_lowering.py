@@ -1,0 +1,233 @@
+"""Every strategy run with the nccl backend waits every asynchronous NCCL op it starts.
+
+The nccl backend lowers an async op to a pair of XLA custom calls, `jaxdist_nccl_start` and
+`jaxdist_nccl_wait`, which carry the same `op_id`. A start whose wait is missing leaves NCCL
+writing on a side stream into a buffer XLA may already have given to something else: silent
+corruption on a GPU that no CPU run can see (the bug fixed in jaxdist/ddp.py's
+`_BucketSchedule.drain`). So each strategy's train step is traced with `backend="nccl"` and
+lowered for CUDA, which needs no GPU (tracing reads only a communicator's key, patched here), and
+its custom calls are counted: per `op_id`, as many waits as starts, each in the same region (the
+body of one function, loop or branch) as its start, and at least one start where the strategy
+overlaps communication, so the check cannot pass vacuously. Nothing is compiled or run. With
+`backend="xla"` the same steps lower no nccl custom call at all.
+"""
+
+import collections
+import re
+from collections.abc import Callable
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from meshes import cpu_mesh
+from test_ddp import MLP, WithUnusedLayers
+from test_ddp import mlp_loss as ddp_mlp_loss
+from test_engine import GPT_CFG, MLP_PLAN, MLP_UNITS, ResMLP, gpt_batches, mlp_batches, mlp_loss
+
+from jaxdist.ddp import DDP
+from jaxdist.engine import Parallel
+from jaxdist.fsdp import FSDP
+from jaxdist.pipeline import Pipelined
+from jaxdist.train.gpt import GPT, UNITS, tp_plan_for
+
+# -- models and strategies (tiny: only traced and lowered) -------------------------------------
+
+
+class ResMLPWithUnused(ResMLP):
+    """tests/test_engine.py's ResMLP with parameters the loss never reads: a layer outside the blocks,
+    and one in every block."""
+
+    def __init__(self, rngs: nnx.Rngs, **kwargs):
+        super().__init__(rngs, **kwargs)
+        self.unused = nnx.Linear(16, 16, rngs=rngs)
+        for layer in self.layers:
+            layer.spare = nnx.Linear(16, 8, rngs=rngs)
+
+
+def ddp(model: str = "mlp", **options) -> Callable:
+    """DDP / ZeRO-1 over dp=8 with one bucket per layer: `model` is "mlp" (tests/test_ddp.py's),
+    "unused" (a used layer, three never read) or "odd" (ResMLP: parameters that stay whole under zero1)."""
+
+    def build(backend: str):
+        rng = np.random.default_rng(0)
+        if model == "odd":
+            batch, make, loss, bucket = mlp_batches(1)[0], lambda: ResMLP(nnx.Rngs(0), layers=2), mlp_loss, 400
+        else:
+            d = 16 if model == "mlp" else 32
+            batch = {"x": rng.normal(size=(16, d)).astype(np.float32), "y": rng.normal(size=(16, d)).astype(np.float32)}
+            make = (lambda: MLP(3, 16, nnx.Rngs(0))) if model == "mlp" else (lambda: WithUnusedLayers(nnx.Rngs(0)))
+            loss, bucket = ddp_mlp_loss, d * d + d
+        cfg = DDP(cpu_mesh((8,), ("dp",)), bucket_size=bucket, backend=backend, **options)
+        return cfg.prepare(make(), optax.sgd(0.1), loss, batch), batch
+
+    return build
+
+
+def units(strategy: Callable, make_model: Callable = lambda: ResMLP(nnx.Rngs(0), layers=2)) -> Callable:
+    """A unit-engine strategy (`strategy(backend)`) on tests/test_engine.py's ResMLP."""
+
+    def build(backend: str):
+        batch = mlp_batches(1)[0]
+        return strategy(backend).prepare(make_model(), optax.sgd(0.1), MLP_UNITS, batch), batch
+
+    return build
+
+
+def gpt_units(strategy: Callable) -> Callable:
+    """A unit-engine strategy on tests/test_engine.py's tiny GPT (sequence parallelism needs its plan)."""
+
+    def build(backend: str):
+        batch = gpt_batches(1)[0]
+        return strategy(backend).prepare(GPT(GPT_CFG, nnx.Rngs(0)), optax.sgd(0.1), UNITS, batch), batch
+
+    return build
+
+
+UNUSED = lambda: ResMLPWithUnused(nnx.Rngs(0), layers=2)  # noqa: E731
+FSDP8 = ((8,), ("fsdp",))
+DP4XTP2 = ((4, 2), ("dp", "tp"))
+PP2XDP4 = ((2, 4), ("pp", "dp"))
+
+# name -> build(backend) -> (prepared run, example batch); every strategy here overlaps communication
+CASES = {
+    "ddp": ddp(),
+    "ddp-reduce-after-backward": ddp(overlap_grad_reduce=False),
+    "ddp-accumulate2": ddp(accumulation_steps=2),
+    "ddp-unused-params": ddp("unused"),
+    "zero1-overlap-gather": ddp(zero1=True),
+    "zero1-gather-first": ddp(zero1=True, overlap_param_gather=False),
+    "zero1-accumulate2": ddp(zero1=True, accumulation_steps=2),
+    "zero1-reduce-after-backward": ddp(zero1=True, overlap_grad_reduce=False),
+    "zero1-unused-params-overlap-gather": ddp("unused", zero1=True),
+    "zero1-unused-params-gather-first": ddp("unused", zero1=True, overlap_param_gather=False),
+    "zero1-unused-params-accumulate2": ddp("unused", zero1=True, accumulation_steps=2),
+    "zero1-unsplittable-params": ddp("odd", zero1=True),
+    "fsdp": units(lambda b: FSDP(cpu_mesh(*FSDP8), backend=b)),
+    "fsdp-unused-params": units(lambda b: FSDP(cpu_mesh(*FSDP8), backend=b), UNUSED),
+    "fsdp-keep-gathered": units(lambda b: FSDP(cpu_mesh(*FSDP8), reshard_after_forward=False, backend=b)),
+    "fsdp-buffers3-prefetch2": units(
+        lambda b: FSDP(cpu_mesh(*FSDP8), buffers=3, prefetch=2, backend=b), lambda: ResMLP(nnx.Rngs(0), layers=3)
+    ),
+    "fsdp-update-in-backward": units(lambda b: FSDP(cpu_mesh(*FSDP8), update_in_backward=True, backend=b)),
+    "fsdp-bf16-compute": units(lambda b: FSDP(cpu_mesh(*FSDP8), compute_dtype=jnp.bfloat16, backend=b)),
+    "hsdp-dp2xfsdp4": units(lambda b: FSDP(cpu_mesh((2, 4), ("dp", "fsdp")), dp_axis="dp", backend=b)),
+    "engine-zero3-remat": units(lambda b: Parallel(cpu_mesh(*FSDP8), remat=True, backend=b)),
+    "engine-zero3-keep-activations": units(lambda b: Parallel(cpu_mesh(*FSDP8), remat=False, backend=b)),
+    "engine-zero3-keep-activations-unused-params": units(
+        lambda b: Parallel(cpu_mesh(*FSDP8), remat=False, backend=b), UNUSED
+    ),
+    "engine-zero1": units(lambda b: Parallel(cpu_mesh((8,), ("dp",)), backend=b)),
+    "engine-dp4xtp2": units(lambda b: Parallel(cpu_mesh(*DP4XTP2), plan=MLP_PLAN, backend=b)),
+    "engine-dp4xtp2-replicated": units(lambda b: Parallel(cpu_mesh(*DP4XTP2), plan=MLP_PLAN, zero1=False, backend=b)),
+    "engine-dp4xtp2-unused-params": units(lambda b: Parallel(cpu_mesh(*DP4XTP2), plan=MLP_PLAN, backend=b), UNUSED),
+    "engine-fsdp2xtp4-seqpar-gpt": gpt_units(
+        lambda b: Parallel(
+            cpu_mesh((2, 4), ("fsdp", "tp")), plan=tp_plan_for(GPT_CFG), sequence_parallel=True, backend=b
+        )
+    ),
+    "engine-dp2xfsdp2xtp2-seqpar-keep-activations-gpt": gpt_units(
+        lambda b: Parallel(
+            cpu_mesh((2, 2, 2), ("dp", "fsdp", "tp")),
+            plan=tp_plan_for(GPT_CFG),
+            sequence_parallel=True,
+            remat=False,
+            backend=b,
+        )
+    ),
+    "pipeline-pp2xdp4-1f1b": units(lambda b: Pipelined(cpu_mesh(*PP2XDP4), microbatches=4, backend=b)),
+    "pipeline-pp2xdp4-interleaved-v2": units(
+        lambda b: Pipelined(cpu_mesh(*PP2XDP4), microbatches=4, schedule="interleaved", virtual=2, backend=b),
+        lambda: ResMLP(nnx.Rngs(0), layers=4),
+    ),
+    "pipeline-pp2xfsdp4-gpipe-unused-params": units(
+        lambda b: Pipelined(cpu_mesh((2, 4), ("pp", "fsdp")), microbatches=4, schedule="gpipe", backend=b), UNUSED
+    ),
+    "pipeline-pp2xdp2xtp2-1f1b": units(
+        lambda b: Pipelined(cpu_mesh((2, 2, 2), ("pp", "dp", "tp")), plan=MLP_PLAN, microbatches=2, backend=b)
+    ),
+}
+
+
+# -- lowering and reading the custom calls ---------------------------------------------------
+
+
+@pytest.fixture
+def nccl_tracing(monkeypatch):
+    """The nccl backend traceable on CPU: it needs no GPU, and tracing reads only a communicator's key."""
+    from jaxdist.comm import nccl
+
+    monkeypatch.setattr(nccl, "_comm_key", lambda axis_name: 7)
+    monkeypatch.setattr(nccl, "nccl_backend", nccl.NcclBackend)
+
+
+def lowered_for_cuda(build: Callable, backend: str) -> str:
+    """The StableHLO text of a strategy's train step, traced with `backend` and lowered for CUDA."""
+    run, batch = build(backend)
+    return run.step.jitted.trace(run.state, run.step._place(batch)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+_NCCL_CALL = re.compile(r"custom_call @(jaxdist_nccl_\w+)\(")
+_OP_ID = re.compile(r"\bop_id = (\d+) : i64")
+
+
+def nccl_calls(hlo: str) -> collections.Counter:
+    """How many nccl custom calls of each `(target, op_id, region)` the module holds (op_id 0: none).
+
+    A region is the body of one function, loop or branch, named by the line that opens it: a line
+    that ends with "{" opens one, a line that starts with "}" closes one (both at once: "} do {")."""
+    calls, regions = collections.Counter(), []
+    for number, line in enumerate(hlo.splitlines()):
+        text = line.strip()
+        if text.startswith("}"):
+            regions.pop()
+        call = _NCCL_CALL.search(text)
+        if call:
+            op_id = _OP_ID.search(text)
+            calls[call.group(1), int(op_id.group(1)) if op_id else 0, regions[-1]] += 1
+        if text.endswith("{"):
+            regions.append(number)
+    assert not regions, "the module's regions did not close: the text format changed, fix nccl_calls"
+    return calls
+
+
+def async_pairs(hlo: str) -> tuple[collections.Counter, collections.Counter]:
+    """The starts and the waits, each as a count per `(op_id, region)`."""
+    calls = nccl_calls(hlo)
+    assert sum(calls.values()) == len(_NCCL_CALL.findall(hlo))  # every call was read
+    of = lambda target: collections.Counter({k[1:]: n for k, n in calls.items() if k[0] == target})  # noqa: E731
+    return of("jaxdist_nccl_start"), of("jaxdist_nccl_wait")
+
+
+# -- the tests -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_started_nccl_op_is_waited_in_its_own_region(nccl_tracing, case):
+    hlo = lowered_for_cuda(CASES[case], "nccl")
+    starts, waits = async_pairs(hlo)
+    assert starts.total() >= 1  # the strategy overlaps communication: the check is not vacuous
+    assert all(op_id > 0 for op_id, _ in starts), "a start without an op_id"
+    unmatched = {key: (starts[key], waits[key]) for key in starts | waits if starts[key] != waits[key]}
+    assert not unmatched, f"(op_id, region): (starts, waits) that differ: {unmatched}"
+    assert hlo.count("custom_call @jaxdist_nccl_start") == hlo.count("custom_call @jaxdist_nccl_wait")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_xla_backend_lowers_no_nccl_call(case):
+    assert "jaxdist_nccl" not in lowered_for_cuda(CASES[case], "xla")
+
+
+def test_the_count_sees_a_start_without_its_wait():
+    """The reader of the lowered text itself: one start whose wait is missing, and a wait moved into
+    a loop body, are both reported."""
+    start = "%1:2 = stablehlo.custom_call @jaxdist_nccl_start(%0) {mhlo.backend_config = {op_id = 3 : i64}}"
+    wait = "%2 = stablehlo.custom_call @jaxdist_nccl_wait(%1#0, %1#1) {mhlo.backend_config = {op_id = 3 : i64}}"
+    body = lambda *lines: "\n".join(["func.func public @main() {", *lines, "}"])  # noqa: E731
+    loop = ["%3 = stablehlo.while(%1#0)", "cond {", "} do {", wait, "}"]  # as jax prints a loop
+    assert async_pairs(body(start, wait)) == ({(3, 0): 1}, {(3, 0): 1})
+    starts, waits = async_pairs(body(start, start, wait))
+    assert starts != waits
+    starts, waits = async_pairs(body(start, *loop))
+    assert starts.total() == waits.total() and starts != waits
