@@ -13,6 +13,7 @@ overlaps communication, so the check cannot pass vacuously. Nothing is compiled 
 """
 
 import collections
+import dataclasses
 import re
 from collections.abc import Callable
 
@@ -20,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import test_engine_models as models
+import test_strategy_models as nets
 from flax import nnx
 from meshes import cpu_mesh
 from test_ddp import MLP, WithUnusedLayers
@@ -46,49 +49,70 @@ class ResMLPWithUnused(ResMLP):
             layer.spare = nnx.Linear(16, 8, rngs=rngs)
 
 
+def prepared(strategy: Callable, make_model: Callable, task, make_batch: Callable) -> Callable:
+    """`build(backend) -> (run, batch)`: `strategy(backend).prepare(model, sgd, task, batch)`, where
+    `task` is DDP's loss function or the unit engine's `Units`."""
+
+    def build(backend: str):
+        batch = make_batch()
+        return strategy(backend).prepare(make_model(), optax.sgd(0.1), task, batch), batch
+
+    return build
+
+
+def square_batch(d: int) -> dict:
+    rng = np.random.default_rng(0)
+    return {"x": rng.normal(size=(16, d)).astype(np.float32), "y": rng.normal(size=(16, d)).astype(np.float32)}
+
+
 def ddp(model: str = "mlp", **options) -> Callable:
-    """DDP / ZeRO-1 over dp=8 with one bucket per layer: `model` is "mlp" (tests/test_ddp.py's),
-    "unused" (a used layer, three never read) or "odd" (ResMLP: parameters that stay whole under zero1)."""
-
-    def build(backend: str):
-        rng = np.random.default_rng(0)
-        if model == "odd":
-            batch, make, loss, bucket = mlp_batches(1)[0], lambda: ResMLP(nnx.Rngs(0), layers=2), mlp_loss, 400
-        else:
-            d = 16 if model == "mlp" else 32
-            batch = {"x": rng.normal(size=(16, d)).astype(np.float32), "y": rng.normal(size=(16, d)).astype(np.float32)}
-            make = (lambda: MLP(3, 16, nnx.Rngs(0))) if model == "mlp" else (lambda: WithUnusedLayers(nnx.Rngs(0)))
-            loss, bucket = ddp_mlp_loss, d * d + d
-        cfg = DDP(cpu_mesh((8,), ("dp",)), bucket_size=bucket, backend=backend, **options)
-        return cfg.prepare(make(), optax.sgd(0.1), loss, batch), batch
-
-    return build
+    """DDP / ZeRO-1 over dp=8 with one bucket per layer. `model`: "mlp" (tests/test_ddp.py's),
+    "unused" (a used layer, three the loss never reads), "odd" (tests/test_engine.py's ResMLP, with
+    parameters no dimension of which 8 divides: zero1 all-reduces them whole)."""
+    mesh = cpu_mesh((8,), ("dp",))
+    if model == "odd":
+        make, loss, batch, bucket = lambda: ResMLP(nnx.Rngs(0), layers=2), mlp_loss, lambda: mlp_batches(1)[0], 400
+    elif model == "unused":
+        make, loss, batch, bucket = lambda: WithUnusedLayers(nnx.Rngs(0)), ddp_mlp_loss, lambda: square_batch(32), 1056
+    else:
+        make, loss, batch, bucket = lambda: MLP(3, 16, nnx.Rngs(0)), ddp_mlp_loss, lambda: square_batch(16), 272
+    return prepared(lambda b: DDP(mesh, bucket_size=bucket, backend=b, **options), make, loss, batch)
 
 
-def units(strategy: Callable, make_model: Callable = lambda: ResMLP(nnx.Rngs(0), layers=2)) -> Callable:
+def mlp_units(strategy: Callable, make_model: Callable = lambda: ResMLP(nnx.Rngs(0), layers=2)) -> Callable:
     """A unit-engine strategy (`strategy(backend)`) on tests/test_engine.py's ResMLP."""
-
-    def build(backend: str):
-        batch = mlp_batches(1)[0]
-        return strategy(backend).prepare(make_model(), optax.sgd(0.1), MLP_UNITS, batch), batch
-
-    return build
+    return prepared(strategy, make_model, MLP_UNITS, lambda: mlp_batches(1)[0])
 
 
-def gpt_units(strategy: Callable) -> Callable:
+def gpt_units(strategy: Callable, tie: bool = False) -> Callable:
     """A unit-engine strategy on tests/test_engine.py's tiny GPT (sequence parallelism needs its plan)."""
+    cfg = dataclasses.replace(GPT_CFG, tie_embeddings=tie)
+    return prepared(
+        lambda b: strategy(b, tp_plan_for(cfg)), lambda: GPT(cfg, nnx.Rngs(0)), UNITS, lambda: gpt_batches(1)[0]
+    )
 
-    def build(backend: str):
-        batch = gpt_batches(1)[0]
-        return strategy(backend).prepare(GPT(GPT_CFG, nnx.Rngs(0)), optax.sgd(0.1), UNITS, batch), batch
 
-    return build
+def transformer_units(strategy: Callable, mesh) -> Callable:
+    """tests/test_engine_models.py's stacked local/global GQA transformer: side inputs, a padding mask,
+    the token mean over ranks (sum_and_count) and aux outputs; its plan from its annotations."""
+    cfg = models.Config()
+    plan = models.annotated_plan(models.make_model(cfg)) if "tp" in mesh.axis_names else None
+    return prepared(
+        lambda b: strategy(b, plan), lambda: models.make_model(cfg, mesh), models.UNITS, lambda: models.batches(1)[0]
+    )
+
+
+def dropout_batchnorm(strategy: Callable, task) -> Callable:
+    """tests/test_strategy_models.py's Net with dropout (input and every block) and BatchNorm."""
+    make = lambda: nets.Net([0.5, 2.0], nnx.Rngs(0, dropout=3), input_dropout=0.2, dropout=0.3, batchnorm=True)  # noqa: E731
+    return prepared(strategy, make, task, lambda: nets.data(1, batch_size=16)[0])
 
 
 UNUSED = lambda: ResMLPWithUnused(nnx.Rngs(0), layers=2)  # noqa: E731
-FSDP8 = ((8,), ("fsdp",))
-DP4XTP2 = ((4, 2), ("dp", "tp"))
-PP2XDP4 = ((2, 4), ("pp", "dp"))
+DP8, FSDP8 = cpu_mesh((8,), ("dp",)), cpu_mesh((8,), ("fsdp",))
+DP4XTP2, FSDP2XTP4 = cpu_mesh((4, 2), ("dp", "tp")), cpu_mesh((2, 4), ("fsdp", "tp"))
+DP2XFSDP2XTP2 = cpu_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
+PP2XDP4 = cpu_mesh((2, 4), ("pp", "dp"))
 
 # name -> build(backend) -> (prepared run, example batch); every strategy here overlaps communication
 CASES = {
@@ -96,6 +120,7 @@ CASES = {
     "ddp-reduce-after-backward": ddp(overlap_grad_reduce=False),
     "ddp-accumulate2": ddp(accumulation_steps=2),
     "ddp-unused-params": ddp("unused"),
+    "ddp-dropout-batchnorm": dropout_batchnorm(lambda b: DDP(DP8, bucket_size=300, backend=b), nets.net_loss),
     "zero1-overlap-gather": ddp(zero1=True),
     "zero1-gather-first": ddp(zero1=True, overlap_param_gather=False),
     "zero1-accumulate2": ddp(zero1=True, accumulation_steps=2),
@@ -104,47 +129,47 @@ CASES = {
     "zero1-unused-params-gather-first": ddp("unused", zero1=True, overlap_param_gather=False),
     "zero1-unused-params-accumulate2": ddp("unused", zero1=True, accumulation_steps=2),
     "zero1-unsplittable-params": ddp("odd", zero1=True),
-    "fsdp": units(lambda b: FSDP(cpu_mesh(*FSDP8), backend=b)),
-    "fsdp-unused-params": units(lambda b: FSDP(cpu_mesh(*FSDP8), backend=b), UNUSED),
-    "fsdp-keep-gathered": units(lambda b: FSDP(cpu_mesh(*FSDP8), reshard_after_forward=False, backend=b)),
-    "fsdp-buffers3-prefetch2": units(
-        lambda b: FSDP(cpu_mesh(*FSDP8), buffers=3, prefetch=2, backend=b), lambda: ResMLP(nnx.Rngs(0), layers=3)
+    "fsdp": mlp_units(lambda b: FSDP(FSDP8, backend=b)),
+    "fsdp-unused-params": mlp_units(lambda b: FSDP(FSDP8, backend=b), UNUSED),
+    "fsdp-keep-gathered": mlp_units(lambda b: FSDP(FSDP8, reshard_after_forward=False, backend=b)),
+    "fsdp-buffers3-prefetch2": mlp_units(
+        lambda b: FSDP(FSDP8, buffers=3, prefetch=2, backend=b), lambda: ResMLP(nnx.Rngs(0), layers=3)
     ),
-    "fsdp-update-in-backward": units(lambda b: FSDP(cpu_mesh(*FSDP8), update_in_backward=True, backend=b)),
-    "fsdp-bf16-compute": units(lambda b: FSDP(cpu_mesh(*FSDP8), compute_dtype=jnp.bfloat16, backend=b)),
-    "hsdp-dp2xfsdp4": units(lambda b: FSDP(cpu_mesh((2, 4), ("dp", "fsdp")), dp_axis="dp", backend=b)),
-    "engine-zero3-remat": units(lambda b: Parallel(cpu_mesh(*FSDP8), remat=True, backend=b)),
-    "engine-zero3-keep-activations": units(lambda b: Parallel(cpu_mesh(*FSDP8), remat=False, backend=b)),
-    "engine-zero3-keep-activations-unused-params": units(
-        lambda b: Parallel(cpu_mesh(*FSDP8), remat=False, backend=b), UNUSED
+    "fsdp-update-in-backward": mlp_units(lambda b: FSDP(FSDP8, update_in_backward=True, backend=b)),
+    "fsdp-bf16-compute": mlp_units(lambda b: FSDP(FSDP8, compute_dtype=jnp.bfloat16, backend=b)),
+    "fsdp-gpt-tied-embeddings": gpt_units(lambda b, _: FSDP(FSDP8, backend=b), tie=True),
+    "fsdp-keep-activations-dropout-batchnorm": dropout_batchnorm(
+        lambda b: FSDP(FSDP8, remat=False, backend=b), nets.UNITS
     ),
-    "engine-zero1": units(lambda b: Parallel(cpu_mesh((8,), ("dp",)), backend=b)),
-    "engine-dp4xtp2": units(lambda b: Parallel(cpu_mesh(*DP4XTP2), plan=MLP_PLAN, backend=b)),
-    "engine-dp4xtp2-replicated": units(lambda b: Parallel(cpu_mesh(*DP4XTP2), plan=MLP_PLAN, zero1=False, backend=b)),
-    "engine-dp4xtp2-unused-params": units(lambda b: Parallel(cpu_mesh(*DP4XTP2), plan=MLP_PLAN, backend=b), UNUSED),
+    "hsdp-dp2xfsdp4": mlp_units(lambda b: FSDP(cpu_mesh((2, 4), ("dp", "fsdp")), dp_axis="dp", backend=b)),
+    "engine-zero3-remat": mlp_units(lambda b: Parallel(FSDP8, remat=True, backend=b)),
+    "engine-zero3-keep-activations": mlp_units(lambda b: Parallel(FSDP8, remat=False, backend=b)),
+    "engine-zero3-keep-activations-unused-params": mlp_units(lambda b: Parallel(FSDP8, remat=False, backend=b), UNUSED),
+    "engine-zero1": mlp_units(lambda b: Parallel(DP8, backend=b)),
+    "engine-dp4xtp2": mlp_units(lambda b: Parallel(DP4XTP2, plan=MLP_PLAN, backend=b)),
+    "engine-dp4xtp2-replicated": mlp_units(lambda b: Parallel(DP4XTP2, plan=MLP_PLAN, zero1=False, backend=b)),
+    "engine-dp4xtp2-unused-params": mlp_units(lambda b: Parallel(DP4XTP2, plan=MLP_PLAN, backend=b), UNUSED),
     "engine-fsdp2xtp4-seqpar-gpt": gpt_units(
-        lambda b: Parallel(
-            cpu_mesh((2, 4), ("fsdp", "tp")), plan=tp_plan_for(GPT_CFG), sequence_parallel=True, backend=b
-        )
+        lambda b, plan: Parallel(FSDP2XTP4, plan=plan, sequence_parallel=True, backend=b)
     ),
     "engine-dp2xfsdp2xtp2-seqpar-keep-activations-gpt": gpt_units(
-        lambda b: Parallel(
-            cpu_mesh((2, 2, 2), ("dp", "fsdp", "tp")),
-            plan=tp_plan_for(GPT_CFG),
-            sequence_parallel=True,
-            remat=False,
-            backend=b,
-        )
+        lambda b, plan: Parallel(DP2XFSDP2XTP2, plan=plan, sequence_parallel=True, remat=False, backend=b)
     ),
-    "pipeline-pp2xdp4-1f1b": units(lambda b: Pipelined(cpu_mesh(*PP2XDP4), microbatches=4, backend=b)),
-    "pipeline-pp2xdp4-interleaved-v2": units(
-        lambda b: Pipelined(cpu_mesh(*PP2XDP4), microbatches=4, schedule="interleaved", virtual=2, backend=b),
+    "engine-dp2xfsdp2xtp2-seqpar-stacked-transformer": transformer_units(
+        lambda b, plan: Parallel(DP2XFSDP2XTP2, plan=plan, sequence_parallel=True, backend=b), DP2XFSDP2XTP2
+    ),
+    "engine-fsdp8-update-in-backward-stacked-transformer": transformer_units(
+        lambda b, _: Parallel(FSDP8, update_in_backward=True, backend=b), FSDP8
+    ),
+    "pipeline-pp2xdp4-1f1b": mlp_units(lambda b: Pipelined(PP2XDP4, microbatches=4, backend=b)),
+    "pipeline-pp2xdp4-interleaved-v2": mlp_units(
+        lambda b: Pipelined(PP2XDP4, microbatches=4, schedule="interleaved", virtual=2, backend=b),
         lambda: ResMLP(nnx.Rngs(0), layers=4),
     ),
-    "pipeline-pp2xfsdp4-gpipe-unused-params": units(
+    "pipeline-pp2xfsdp4-gpipe-unused-params": mlp_units(
         lambda b: Pipelined(cpu_mesh((2, 4), ("pp", "fsdp")), microbatches=4, schedule="gpipe", backend=b), UNUSED
     ),
-    "pipeline-pp2xdp2xtp2-1f1b": units(
+    "pipeline-pp2xdp2xtp2-1f1b": mlp_units(
         lambda b: Pipelined(cpu_mesh((2, 2, 2), ("pp", "dp", "tp")), plan=MLP_PLAN, microbatches=2, backend=b)
     ),
 }
@@ -219,7 +244,7 @@ def test_the_xla_backend_lowers_no_nccl_call(case):
     assert "jaxdist_nccl" not in lowered_for_cuda(CASES[case], "xla")
 
 
-def test_the_count_sees_a_start_without_its_wait():
+def test_the_reader_reports_a_missing_wait_and_a_wait_in_another_region():
     """The reader of the lowered text itself: one start whose wait is missing, and a wait moved into
     a loop body, are both reported."""
     start = "%1:2 = stablehlo.custom_call @jaxdist_nccl_start(%0) {mhlo.backend_config = {op_id = 3 : i64}}"
