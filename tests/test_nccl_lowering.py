@@ -1,14 +1,15 @@
 """Every strategy run with the nccl backend waits every asynchronous NCCL op it starts.
 
 The nccl backend lowers an async op to a pair of XLA custom calls, `jaxdist_nccl_start` and
-`jaxdist_nccl_wait`, which carry the same `op_id`. A start whose wait is missing leaves NCCL
-writing on a side stream into a buffer XLA may already have given to something else: silent
-corruption on a GPU that no CPU run can see (the bug fixed in jaxdist/ddp.py's
-`_BucketSchedule.drain`). So each strategy's train step is traced with `backend="nccl"` and
-lowered for CUDA, which needs no GPU (tracing reads only a communicator's key, patched here), and
-its custom calls are counted: per `op_id`, as many waits as starts, each in the same region (the
-body of one function, loop or branch) as its start, and at least one start where the strategy
-overlaps communication, so the check cannot pass vacuously. Nothing is compiled or run. With
+`jaxdist_nccl_wait`. A start whose wait is missing leaves NCCL writing on a side stream into a
+buffer XLA may already have given to something else: silent corruption on a GPU that no CPU run
+can see (the bug fixed in jaxdist/ddp.py's `_BucketSchedule.drain`). So each strategy's train step
+is traced with `backend="nccl"` and lowered for CUDA, which needs no GPU (tracing reads only a
+communicator's key, patched here), and its custom calls are read: as many waits as starts, at
+least one start (every strategy here overlaps communication, so the check cannot pass vacuously),
+and each wait's operands followed back (through the token chain's optimization barriers) to the
+two results of one start in the same region (the body of one function, loop or branch), each
+start waited exactly once and under its own `op_id`. Nothing is compiled or run. With
 `backend="xla"` the same steps lower no nccl custom call at all.
 """
 
@@ -193,50 +194,82 @@ def lowered_for_cuda(build: Callable, backend: str) -> str:
     return run.step.jitted.trace(run.state, run.step._place(batch)).lower(lowering_platforms=("cuda",)).as_text()
 
 
-_NCCL_CALL = re.compile(r"custom_call @(jaxdist_nccl_\w+)\(")
+_DEFINITION = re.compile(r"^(%[\w.]+)(?::\d+)? = (.*)$")
+_NCCL_CALL = re.compile(r"custom_call @(jaxdist_nccl_\w+)\(([^)]*)\)")
+_BARRIER = re.compile(r"stablehlo\.optimization_barrier (.*?) : ")
 _OP_ID = re.compile(r"\bop_id = (\d+) : i64")
 
 
-def nccl_calls(hlo: str) -> collections.Counter:
-    """How many nccl custom calls of each `(target, op_id, region)` the module holds (op_id 0: none).
+@dataclasses.dataclass
+class AsyncCalls:
+    """The async nccl calls of a lowered module: each start as `(region, value)` with its op_id, and
+    each wait with the start its two operands come from (None: not a start's two results)."""
 
-    A region is the body of one function, loop or branch, named by the line that opens it: a line
-    that ends with "{" opens one, a line that starts with "}" closes one (both at once: "} do {")."""
-    calls, regions = collections.Counter(), []
+    starts: dict[tuple, int]
+    waits: list[tuple[int, tuple | None]]  # (op_id, the start it finishes)
+
+
+def async_calls(hlo: str) -> AsyncCalls:
+    """Read the starts and waits of `hlo`, and follow each wait's operands back to their start.
+
+    Between the two, jaxdist's ops pass the buffers only through optimization barriers (the token
+    sequencing), which forward operand i as result i: anything else, or a value from another region
+    (the body of a function, loop or branch), leaves the wait without a start. A region is named by
+    the line that opens it: a line ending with "{" opens one, a line starting with "}" closes one."""
+    regions, starts, waits = [], {}, []
+    forwards: dict[tuple, tuple] = {}  # a barrier's result -> its operand, both as (region, "%v#i")
+
+    def resolve(value: tuple) -> tuple:
+        while value in forwards:
+            value = forwards[value]
+        return value
+
+    def results(name: str, operands: list[str]) -> list[str]:
+        return [f"{name}#{i}" for i in range(len(operands))] if len(operands) > 1 else [name]
+
     for number, line in enumerate(hlo.splitlines()):
         text = line.strip()
         if text.startswith("}"):
             regions.pop()
+        region = regions[-1] if regions else None
+        definition = _DEFINITION.match(text)
         call = _NCCL_CALL.search(text)
-        if call:
-            op_id = _OP_ID.search(text)
-            calls[call.group(1), int(op_id.group(1)) if op_id else 0, regions[-1]] += 1
+        barrier = _BARRIER.search(text)
+        if definition and barrier:
+            operands = [v.strip() for v in barrier.group(1).split(",")]
+            for result, operand in zip(results(definition.group(1), operands), operands, strict=True):
+                forwards[region, result] = (region, operand)
+        if call and call.group(1) in ("jaxdist_nccl_start", "jaxdist_nccl_wait"):
+            op_id = int(_OP_ID.search(text).group(1))
+            if call.group(1) == "jaxdist_nccl_start":
+                starts[region, definition.group(1)] = op_id
+            else:
+                operands = [resolve((region, v.strip())) for v in call.group(2).split(",")]
+                origin = {(r, v.split("#")[0]) for r, v in operands}
+                paired = len(origin) == 1 and [v.split("#")[-1] for _, v in operands] == ["0", "1"]
+                waits.append((op_id, origin.pop() if paired and origin <= starts.keys() else None))
         if text.endswith("{"):
             regions.append(number)
-    assert not regions, "the module's regions did not close: the text format changed, fix nccl_calls"
-    return calls
-
-
-def async_pairs(hlo: str) -> tuple[collections.Counter, collections.Counter]:
-    """The starts and the waits, each as a count per `(op_id, region)`."""
-    calls = nccl_calls(hlo)
-    assert sum(calls.values()) == len(_NCCL_CALL.findall(hlo))  # every call was read
-    of = lambda target: collections.Counter({k[1:]: n for k, n in calls.items() if k[0] == target})  # noqa: E731
-    return of("jaxdist_nccl_start"), of("jaxdist_nccl_wait")
+    assert not regions, "the module's regions did not close: the text format changed, fix async_calls"
+    return AsyncCalls(starts, waits)
 
 
 # -- the tests -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_every_started_nccl_op_is_waited_in_its_own_region(nccl_tracing, case):
+def test_every_started_nccl_op_is_waited_once(nccl_tracing, case):
     hlo = lowered_for_cuda(CASES[case], "nccl")
-    starts, waits = async_pairs(hlo)
-    assert starts.total() >= 1  # the strategy overlaps communication: the check is not vacuous
-    assert all(op_id > 0 for op_id, _ in starts), "a start without an op_id"
-    unmatched = {key: (starts[key], waits[key]) for key in starts | waits if starts[key] != waits[key]}
-    assert not unmatched, f"(op_id, region): (starts, waits) that differ: {unmatched}"
-    assert hlo.count("custom_call @jaxdist_nccl_start") == hlo.count("custom_call @jaxdist_nccl_wait")
+    n_starts, n_waits = hlo.count("custom_call @jaxdist_nccl_start"), hlo.count("custom_call @jaxdist_nccl_wait")
+    assert n_starts >= 1  # the strategy overlaps communication: the check is not vacuous
+    assert n_starts == n_waits
+    calls = async_calls(hlo)
+    assert len(calls.starts) == n_starts and len(calls.waits) == n_waits  # every call was read
+    unpaired = [op_id for op_id, start in calls.waits if start is None]
+    assert not unpaired, f"waits (by op_id) not on the two results of a start in their own region: {unpaired}"
+    finished = collections.Counter(start for _, start in calls.waits)
+    assert set(finished) == set(calls.starts) and set(finished.values()) == {1}, "a start waited twice or never"
+    assert all(calls.starts[start] == op_id for op_id, start in calls.waits)  # the wait names its start's op
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -244,15 +277,20 @@ def test_the_xla_backend_lowers_no_nccl_call(case):
     assert "jaxdist_nccl" not in lowered_for_cuda(CASES[case], "xla")
 
 
-def test_the_reader_reports_a_missing_wait_and_a_wait_in_another_region():
-    """The reader of the lowered text itself: one start whose wait is missing, and a wait moved into
-    a loop body, are both reported."""
+def test_the_reader_pairs_each_wait_with_its_start_and_reports_what_is_not():
+    """The reader of the lowered text itself: a start and its wait pair up through barriers; a start
+    never waited, a wait on another value and a wait inside a loop body are reported."""
+
+    def module(*lines):
+        return "\n".join(["func.func public @main(%0: tensor<4xf32>) {", *lines, "}"])
+
     start = "%1:2 = stablehlo.custom_call @jaxdist_nccl_start(%0) {mhlo.backend_config = {op_id = 3 : i64}}"
-    wait = "%2 = stablehlo.custom_call @jaxdist_nccl_wait(%1#0, %1#1) {mhlo.backend_config = {op_id = 3 : i64}}"
-    body = lambda *lines: "\n".join(["func.func public @main() {", *lines, "}"])  # noqa: E731
-    loop = ["%3 = stablehlo.while(%1#0)", "cond {", "} do {", wait, "}"]  # as jax prints a loop
-    assert async_pairs(body(start, wait)) == ({(3, 0): 1}, {(3, 0): 1})
-    starts, waits = async_pairs(body(start, start, wait))
-    assert starts != waits
-    starts, waits = async_pairs(body(start, *loop))
-    assert starts.total() == waits.total() and starts != waits
+    barrier = "%2:3 = stablehlo.optimization_barrier %1#0, %1#1, %t : tensor<4xf32>, tensor<8xf32>, tensor<ui8>"
+    wait = "%4 = stablehlo.custom_call @jaxdist_nccl_wait(%2#0, %2#1) {mhlo.backend_config = {op_id = 3 : i64}}"
+    paired = async_calls(module(start, barrier, wait))
+    assert paired.starts == {(0, "%1"): 3} and paired.waits == [(3, (0, "%1"))]
+    assert async_calls(module(start, barrier)).waits == []  # a start never waited
+    swapped = wait.replace("(%2#0, %2#1)", "(%2#1, %2#0)")
+    assert async_calls(module(start, barrier, swapped)).waits == [(3, None)]
+    loop = ["%5 = stablehlo.while(%2#0)", "cond {", "} do {", wait, "}"]  # as jax prints a loop
+    assert async_calls(module(start, barrier, *loop)).waits == [(3, None)]
