@@ -272,8 +272,8 @@ def test_every_started_nccl_op_is_waited_once(nccl_tracing, case):
     assert all(calls.starts[start] == op_id for op_id, start in calls.waits)  # the wait names its start's op
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_the_xla_backend_lowers_no_nccl_call(case):
+@pytest.mark.parametrize("case", ["zero1-overlap-gather", "fsdp", "engine-dp4xtp2", "pipeline-pp2xdp4-1f1b"])
+def test_the_xla_backend_lowers_no_nccl_call(case):  # one case per strategy family: the backend is the switch
     assert "jaxdist_nccl" not in lowered_for_cuda(CASES[case], "xla")
 
 
