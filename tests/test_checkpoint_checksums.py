@@ -33,7 +33,7 @@ def _flip_byte(path, offset):
     path.write_bytes(bytes(raw))
 
 
-def test_each_piece_has_its_crc_and_a_byte_changed_in_a_late_piece_is_found(saved):
+def test_each_piece_has_its_crc_and_a_byte_changed_in_a_late_piece_is_found(saved, monkeypatch):
     ckpt, step_dir = saved
     sums = json.loads((step_dir / CHECKSUMS).read_text())
     data = _largest(step_dir)
@@ -42,7 +42,9 @@ def test_each_piece_has_its_crc_and_a_byte_changed_in_a_late_piece_is_found(save
     assert size == len(raw) > 5 * 4096 and sums["chunk_bytes"] == 4096
     assert crcs == [zlib.crc32(raw[i : i + 4096]) for i in range(0, len(raw), 4096)]  # independent reference
     ckpt._verify(1)  # intact
-    checkpoint.CHUNK_BYTES = 8192  # a later jaxdist with other pieces still verifies with the recorded ones
+    monkeypatch.setattr(
+        checkpoint, "CHUNK_BYTES", 8192
+    )  # a later jaxdist with other pieces still verifies with the recorded ones
     ckpt._verify(1)
     _flip_byte(data, len(raw) - 10)  # in the last piece
     with pytest.raises(checkpoint._Unreadable, match="has changed since it was saved"):
@@ -63,3 +65,24 @@ def test_sums_recorded_per_whole_file_still_verify_and_still_catch_a_change(save
     _flip_byte(data, data.stat().st_size // 2)
     with pytest.raises(checkpoint._Unreadable, match="has changed since it was saved"):
         ckpt._verify(1)
+
+
+def test_the_per_piece_form_under_the_older_name_verifies(saved):
+    """One development commit wrote the per-piece form as jaxdist_checksums.json: read by its content."""
+    ckpt, step_dir = saved
+    (step_dir / CHECKSUMS).replace(step_dir / CHECKSUMS_V1)
+    ckpt._verify(1)
+    data = _largest(step_dir)
+    _flip_byte(data, 5)
+    with pytest.raises(checkpoint._Unreadable, match="has changed since it was saved"):
+        ckpt._verify(1)
+
+
+def test_a_file_cut_short_while_summed_gives_a_sum_that_fails_not_a_crash(saved):
+    """Pieces are read, not memory-mapped: a piece past the end of a file truncated after it was listed
+    sums what is there (a mapped read there was SIGBUS, the process killed)."""
+    _, step_dir = saved
+    data = _largest(step_dir)
+    size = data.stat().st_size
+    assert checkpoint._piece_crc(data, size + 4096, 4096) == zlib.crc32(b"")
+    assert checkpoint._piece_crc(data, size - 10, 4096) == zlib.crc32(data.read_bytes()[-10:])

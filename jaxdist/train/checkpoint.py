@@ -78,14 +78,17 @@ _buffers = threading.local()
 
 def _piece_crc(path: Path, offset: int, chunk_bytes: int) -> int:
     """CRC-32 of `chunk_bytes` of `path` from `offset` (fewer at the end), read into this thread's buffer:
-    plain reads, so a bad block or a file truncated meanwhile is an OSError or a short sum, never SIGBUS."""
+    plain reads, so a bad block is an OSError and a file cut short meanwhile a sum of what is there
+    (both fail verification), never SIGBUS."""
+    want = max(0, min(chunk_bytes, path.stat().st_size - offset))
     buffer = getattr(_buffers, "piece", None)
-    if buffer is None or len(buffer) < chunk_bytes:
-        buffer = _buffers.piece = bytearray(chunk_bytes)
-    view = memoryview(buffer)
+    if buffer is None or len(buffer) < want:
+        buffer = _buffers.piece = bytearray(want)
+    view, n = memoryview(buffer), 0
     with path.open("rb", buffering=0) as f:
         f.seek(offset)
-        n = f.readinto(view[:chunk_bytes])
+        while n < want and (got := f.readinto(view[n:want])):  # a read may return less than asked
+            n += got
     return zlib.crc32(view[:n])  # the read and zlib.crc32 release the GIL: pieces are summed in parallel
 
 
@@ -222,18 +225,18 @@ class Checkpoints:
     def _verify(self, step: int) -> None:
         """Raise _Unreadable if the files of `step` differ from those recorded at save (if recorded)."""
         step_dir = self.directory / str(step)
-        if (step_dir / CHECKSUMS).is_file():
-            expected = json.loads((step_dir / CHECKSUMS).read_text())
+        recorded = next((step_dir / n for n in (CHECKSUMS, CHECKSUMS_V1) if (step_dir / n).is_file()), None)
+        if recorded is None:
+            return  # saved before checksums existed, or the process died right after orbax finished
+        expected = json.loads(recorded.read_text())
+        if "chunk_bytes" in expected:  # per piece (under the older name too, as one development commit wrote)
             found = _file_sums(step_dir, expected["chunk_bytes"])
-        elif (step_dir / CHECKSUMS_V1).is_file():  # {name: [size, CRC-32 of the whole file]}
-            expected = {"files": json.loads((step_dir / CHECKSUMS_V1).read_text())}
-            found = {"files": {}}
+        else:  # {name: [size, CRC-32 of the whole file]}, as jaxdist wrote before
+            expected, found = {"files": expected}, {"files": {}}
             for name in expected["files"]:
                 path = step_dir / name
                 if path.is_file():
                     found["files"][name] = [path.stat().st_size, _whole_file_crc(path)]
-        else:
-            return  # saved before checksums existed, or the process died right after orbax finished
         for name, (size, crc) in expected["files"].items():
             if name not in found["files"]:
                 raise _Unreadable(f"{name} is missing")
