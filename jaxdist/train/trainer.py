@@ -342,13 +342,18 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
         "data": source.state(),
     }
 
-    held = {"window": 0.0, "run": 0.0}  # seconds the loop waited in checkpoint saves
+    held = {"window": 0.0, "run": 0.0, "saves": 0}  # seconds the loop waited in checkpoint saves
 
-    def save(step: int):
+    def save(step: int, in_loop: bool = True):
         if ckpt is not None and step > 0 and step != ckpt.latest():  # a resumed, finished run has it already
+            jax.block_until_ready(state)  # the queued steps' compute is not the checkpoint's
             began = time.perf_counter()
             ckpt.save(step, run.canonical(state), {**meta_out, "step": step})
-            held["window"] += time.perf_counter() - began
+            waited = time.perf_counter() - began
+            held["window"] += waited
+            held["saves"] += 1
+            # as the mean tokens/s: the loop's windows after the first; the first save also compiles
+            held["run"] += waited if in_loop and held["saves"] > 1 else 0.0
 
     step = start
     summary = _Summary()
@@ -389,7 +394,6 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
                     row["val_loss"] = evaluator(run.model(state))
                 row = {k: v for k, v in row.items() if v is not None}  # a metric not computed is left out
                 summary.add(row, window_tokens, elapsed)
-                held["run"] += held["window"] if summary.seconds else 0.0  # as the mean: after the first window
                 held["window"] = 0.0
                 log.write(row)
                 guard.record(row)
@@ -398,7 +402,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
             if ckpt and cfg.run.checkpoint_every > 0 and (step + 1) % cfg.run.checkpoint_every == 0 and not last:
                 save(step + 1)
             stop.check()
-        save(end)
+        save(end, in_loop=False)
         summary.print(out_dir, ckpt, held["run"])
         if cfg.run.sample_tokens > 0 and end > start:
             hooks.print_sample(cfg, run.model(state), source)
