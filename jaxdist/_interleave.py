@@ -45,8 +45,8 @@ class Schedule:
         return inputs
 
 
-def first_use_order(closed: ClosedJaxpr, lazy: Mapping[int, Hashable]) -> list[Hashable]:
-    """The groups of `lazy` inputs in the order equations first read them (unread ones last)."""
+def first_use_order(closed: ClosedJaxpr, lazy: Mapping[int, Hashable], unread: bool = True) -> list[Hashable]:
+    """The groups of `lazy` inputs in the order equations first read them (then the unread ones, if `unread`)."""
     group_of = {closed.jaxpr.invars[i]: g for i, g in lazy.items()}
     order: list[Hashable] = []
     for eqn in closed.jaxpr.eqns:
@@ -54,7 +54,7 @@ def first_use_order(closed: ClosedJaxpr, lazy: Mapping[int, Hashable]) -> list[H
             g = None if isinstance(v, Literal) else group_of.get(v)
             if g is not None and g not in order:
                 order.append(g)
-    return order + [g for g in dict.fromkeys(lazy.values()) if g not in order]
+    return order + [g for g in dict.fromkeys(lazy.values()) if g not in order] if unread else order
 
 
 def eval_interleaved(

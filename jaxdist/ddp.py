@@ -338,9 +338,12 @@ class DDPRun:
         n = len(self.param_avals)
         by_bucket = {i: self._bucket_of[i] for i in range(n)}
         gathered = {i: b for i, b in by_bucket.items() if self.layout.buckets[b].sharded}
-        sched = _BucketSchedule(self, tok, params, first_use_order(closed, gathered), n_stored)
+        gather_first = a > 1 or not cfg.overlap_param_gather
+        # gathered just ahead of use, a bucket the forward never reads is never gathered (nor waited for)
+        order = first_use_order(closed, gathered, unread=gather_first)
+        sched = _BucketSchedule(self, tok, params, order, n_stored)
         leaves = list(params)
-        if gathered and (a > 1 or not cfg.overlap_param_gather):
+        if gathered and gather_first:
             for i, x in sched.gather_all().items():
                 leaves[i] = x
         else:
