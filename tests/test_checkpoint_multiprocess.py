@@ -33,6 +33,10 @@ def test_two_process_checkpoint_resumes_in_one_process_on_another_layout(tmp_pat
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(os.listdir(out / "checkpoints")) == ["2"]
+    # both processes read it back (process 0 verifies the checksums for both), the run being finished
+    again = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and "unreadable" not in again.stderr
     rest = train(config_lib.load(None, [*BASE, "parallel.tp=2", "run.steps=4", f"run.out_dir={out}"]))
     assert len(rest) == 2
     np.testing.assert_allclose(rest, whole[2:], rtol=1e-5)

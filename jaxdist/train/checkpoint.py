@@ -250,14 +250,33 @@ class Checkpoints:
         reads; each newer one that fails is moved aside with a one-line warning. None if there is none."""
         steps = sorted((s for s in self.manager.all_steps() if below is None or s < below), reverse=True)
         for step in steps:
+            reason = self._verdict(step)
+            if reason is None:
+                try:
+                    return step, read(step)
+                except ConfigError:
+                    raise
+                except Exception as e:
+                    reason = _first_line(e)
+            self._set_aside(step, reason)
+        return None
+
+    def _verdict(self, step: int) -> str | None:
+        """None if `step`'s files match their checksums, else why not: decided by process 0 for all (it
+        wrote the checksums; every process deciding alone, a transient read error on one would leave
+        it alone in `_set_aside`'s barrier, and N processes would read every file N times)."""
+        reason = None
+        if jax.process_index() == 0:
             try:
                 self._verify(step)
-                return step, read(step)
-            except ConfigError:
-                raise
             except Exception as e:
-                self._set_aside(step, _first_line(e))
-        return None
+                reason = _first_line(e)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            failed = bool(multihost_utils.broadcast_one_to_all(np.int32(reason is not None)))
+            reason = (reason or "its files do not match their checksums (checked on process 0)") if failed else None
+        return reason
 
     def _set_aside(self, step: int, reason: str) -> None:
         target = self.unreadable_dir / str(step)
