@@ -54,7 +54,9 @@ def first_use_order(closed: ClosedJaxpr, lazy: Mapping[int, Hashable], unread: b
             g = None if isinstance(v, Literal) else group_of.get(v)
             if g is not None and g not in order:
                 order.append(g)
-    return order + [g for g in dict.fromkeys(lazy.values()) if g not in order] if unread else order
+    if not unread:
+        return order
+    return order + [g for g in dict.fromkeys(lazy.values()) if g not in order]
 
 
 def eval_interleaved(
