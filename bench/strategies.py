@@ -30,6 +30,7 @@ bench/RESULTS.md.
     python bench/strategies.py --cpu --models tiny --steps 2   # dry run, 8 simulated CPU devices, not recorded
 
 `JAXDIST_BENCH_NCCL_BLOCKING=0` makes the nccl configurations' communicators non-blocking.
+`JAXDIST_BENCH_MICROBATCHES=M` sets the pipeline configurations' micro-batches per step (default 4 pp).
 """
 
 import os
@@ -148,7 +149,7 @@ def pipeline(schedule: str, virtual: int = 1):
         mesh = mesh_for(devices, (pp,), ("pp",), backend)
         batch = batch_for(mesh)
         rows = batch["tokens"].shape[0]
-        m = 4 * pp if rows % (4 * pp) == 0 else pp
+        m = int(os.environ.get("JAXDIST_BENCH_MICROBATCHES", 0)) or (4 * pp if rows % (4 * pp) == 0 else pp)
         strategy = Pipelined(mesh, microbatches=m, schedule=schedule, virtual=virtual, backend=backend)
         return strategy.prepare(model, optimizer(), UNITS, batch), batch
 
@@ -170,6 +171,7 @@ CONFIGS = {  # name: (builder, comm backend)
             ("dptp", engine_tp("dp")),
             ("dptpsp", engine_tp("dp", sequence_parallel=True)),
             ("fsdptp", engine_tp("fsdp")),
+            ("ppgpipe", pipeline("gpipe")),
             ("pp1f1b", pipeline("1f1b")),
             ("ppinterleaved", pipeline("interleaved", virtual=2)),
         )
