@@ -408,9 +408,12 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
             hooks.print_sample(cfg, run.model(state), source)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (a scheduler's stop): see _StopRequests
         # the state after the last finished step: a checkpoint of it (and the one in flight), then stop
-        done = start + len(losses) + len(pending)
-        print(f"\njaxdist: interrupted; saving step {done}")
-        save(done)
+        if any(x.is_deleted() for x in jax.tree.leaves(state)):  # inside a step that took (donated) it
+            print("\njaxdist: interrupted inside a step; the newest checkpoint is the one to resume from")
+        elif ckpt is not None:
+            done = int(_host(state.step))  # the state's own count: the interrupt may precede the loop's
+            print(f"\njaxdist: interrupted; saving step {done}")
+            save(done)
         raise
     finally:
         stop.close()
