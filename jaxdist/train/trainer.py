@@ -291,16 +291,6 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
             f"{' x accumulation steps' if cfg.optim.accumulation_steps > 1 else ''}; pick a multiple of {n_batch}"
         )
 
-    model = GPT(mcfg, nnx.Rngs(cfg.run.seed))
-    if cfg.run.init_from:  # a resumed run reads its own checkpoint instead, below
-        from jaxdist.train.export import load_params
-
-        nnx.update(model, load_params(cfg.run.init_from, nnx.state(model, nnx.Param)))
-    # host copies: every process passes the same values, which is what a multi-process jit needs
-    nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))
-    loader = hooks.Loader(source, cfg.data.batch_size, batch_sharding)
-    example = {"tokens": np.zeros(loader.shape, np.int32)}
-    evaluator = hooks.evaluator(cfg, mcfg, out_dir, batch_sharding)
     model_meta = {k: (str(v) if k == "dtype" or k == "param_dtype" else v) for k, v in dataclasses.asdict(mcfg).items()}
     layout = layout_of(cfg, mesh)
     keep, compress = cfg.run.keep_checkpoints, cfg.run.checkpoint_compress
@@ -311,6 +301,17 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     if found is not None:
         start, meta = found
         hooks.check_same_data(meta, source)
+
+    model = GPT(mcfg, nnx.Rngs(cfg.run.seed))
+    if cfg.run.init_from and found is None:  # a resumed run reads its own checkpoint instead, below
+        from jaxdist.train.export import load_params
+
+        nnx.update(model, load_params(cfg.run.init_from, nnx.state(model, nnx.Param)))
+    # host copies: every process passes the same values, which is what a multi-process jit needs
+    nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))
+    loader = hooks.Loader(source, cfg.data.batch_size, batch_sharding)
+    example = {"tokens": np.zeros(loader.shape, np.int32)}
+    evaluator = hooks.evaluator(cfg, mcfg, out_dir, batch_sharding)
     decay_steps = schedule_lib.decay_steps(cfg, meta, start)
     optimizer, schedule = make_optimizer(cfg, decay_steps)
     run = parallelize(cfg, mesh, model, optimizer, example)
@@ -469,7 +470,14 @@ def _newest_meta(ckpt: Checkpoints, model_meta: dict):
         check_same_model(meta, model_meta, ckpt.directory)
         return meta
 
-    return ckpt.newest_readable(read)
+    had_checkpoints = bool(ckpt.manager.all_steps())
+    found = ckpt.newest_readable(read)
+    if found is None and had_checkpoints:  # starting over would replace the run: as run_dir refuses it
+        raise CheckpointError(
+            f"no readable checkpoint left in {ckpt.directory} (each moved to {ckpt.unreadable_dir}); "
+            "set run.overwrite=true to start over"
+        )
+    return found
 
 
 def _restore_state(ckpt: Checkpoints, start: int, run, model_meta: dict):

@@ -1,0 +1,44 @@
+"""Resuming when checkpoints are unreadable, and resuming a run that started from exported parameters.
+
+* Every checkpoint unreadable: the run must not silently start over from step 0 (which replaces the
+  run's metrics and, at its next save, its checkpoints): the README refuses starting from step 0 where
+  a run exists unless run.overwrite=true, and so must this path.
+* A run started with run.init_from resumes from its own checkpoint: the exported parameters are not
+  read again, so moving or deleting them after the start must not stop the resume.
+"""
+
+import shutil
+
+import numpy as np
+import pytest
+from test_train_run import _truncate, cfg, rows
+from test_train_run import two_checkpoints as two_checkpoints  # a fixture of that module, shared here
+
+from jaxdist.train.checkpoint import CheckpointError
+from jaxdist.train.cli import main
+from jaxdist.train.trainer import train
+
+
+def test_every_checkpoint_unreadable_refuses_to_start_over_and_keeps_the_metrics(two_checkpoints, tmp_path):
+    base, _ = two_checkpoints
+    out = tmp_path / "run"
+    shutil.copytree(base, out)
+    for step in ("2", "4"):
+        _truncate(out / "checkpoints" / step)
+    with pytest.raises(CheckpointError, match="no readable checkpoint left.*run.overwrite=true") as e:
+        train(cfg(out, "run.steps=4", "run.checkpoint_every=2"))
+    assert "\n" not in str(e.value)
+    assert [r["step"] for r in rows(out)] == [1, 2, 3, 4]  # the run's history is untouched
+    assert sorted(p.name for p in (out / "checkpoints.unreadable").iterdir()) == ["2", "4"]  # kept, aside
+
+
+def test_a_run_from_exported_parameters_resumes_without_them(two_checkpoints, tmp_path):
+    base, _ = two_checkpoints
+    exported = tmp_path / "exported"
+    assert main(["export", str(base), str(exported)]) == 0
+    init_from = f"run.init_from={exported}"
+    whole = train(cfg(tmp_path / "whole", "run.steps=3", init_from, "run.checkpoint_every=-1"))
+    first = train(cfg(tmp_path / "split", "run.steps=3", init_from), stop_after=2)
+    shutil.rmtree(exported)  # the run has its own checkpoint now
+    rest = train(cfg(tmp_path / "split", "run.steps=3", init_from))
+    np.testing.assert_array_equal(first + rest, whole)
