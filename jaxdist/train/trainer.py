@@ -346,7 +346,9 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     held = {"window": 0.0, "run": 0.0, "saves": 0}  # seconds the loop waited in checkpoint saves
 
     def save(step: int, in_loop: bool = True):
-        if ckpt is not None and step > 0 and step != ckpt.latest():  # a resumed, finished run has it already
+        # only steps this invocation trained: a resumed run has its start step already (a finished run
+        # given a smaller run.steps would otherwise save its newest state under the smaller step's name)
+        if ckpt is not None and step > start and step != ckpt.latest():
             jax.block_until_ready(state)  # the queued steps' compute is not the checkpoint's
             began = time.perf_counter()
             ckpt.save(step, run.canonical(state), {**meta_out, "step": step})
