@@ -9,12 +9,14 @@
 
 import shutil
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from test_train_run import _truncate, cfg, rows
 from test_train_run import two_checkpoints as two_checkpoints  # a fixture of that module, shared here
 
-from jaxdist.train.checkpoint import CheckpointError
+from jaxdist.train.checkpoint import CheckpointError, Checkpoints
 from jaxdist.train.cli import main
 from jaxdist.train.trainer import train
 
@@ -42,3 +44,25 @@ def test_a_run_from_exported_parameters_resumes_without_them(two_checkpoints, tm
     shutil.rmtree(exported)  # the run has its own checkpoint now
     rest = train(cfg(tmp_path / "split", "run.steps=3", init_from))
     np.testing.assert_array_equal(first + rest, whole)
+
+
+def test_export_skips_a_corrupt_newest_checkpoint_and_says_so_without_talking_of_resuming(
+    two_checkpoints, tmp_path, capsys
+):
+    base, _ = two_checkpoints
+    out = tmp_path / "run"
+    shutil.copytree(base, out)
+    _truncate(out / "checkpoints" / "4")
+    capsys.readouterr()
+    assert main(["export", str(out), str(tmp_path / "exported")]) == 0
+    captured = capsys.readouterr()
+    assert "the parameters of step 2" in captured.out
+    assert captured.err.count("\n") == 1 and "checkpoints/4 is unreadable" in captured.err
+    assert "resuming" not in captured.err  # export resumes nothing
+    reader = Checkpoints(base, keep=9)
+    expected = reader.restore_params(2)
+    reader.close()
+    exported = ocp.StandardCheckpointer().restore(tmp_path / "exported")
+    assert jax.tree.structure(exported) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -282,7 +282,7 @@ class Checkpoints:
         target = self.unreadable_dir / str(step)
         warn(
             f"checkpoint {self.directory / str(step)} is unreadable ({reason}); "
-            f"moved to {target}, resuming from the previous one"
+            f"moved to {target}; the previous one is used instead"
         )
         if jax.process_index() == 0:
             shutil.rmtree(target, ignore_errors=True)
