@@ -419,12 +419,14 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
             save(done)
         raise
     finally:
-        stop.close()
         guard.close()
         bar.close()
         log.close()
-        if ckpt:
-            ckpt.close()
+        try:
+            if ckpt:
+                ckpt.close()  # with the stop handlers still in place: a SIGTERM now must not cut the last save
+        finally:
+            stop.close()
     return losses
 
 
