@@ -7,6 +7,7 @@
   read again, so moving or deleting them after the start must not stop the resume.
 """
 
+import os
 import shutil
 
 import jax
@@ -66,3 +67,14 @@ def test_export_skips_a_corrupt_newest_checkpoint_and_says_so_without_talking_of
     assert jax.tree.structure(exported) == jax.tree.structure(expected)
     for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_update_in_backward_saves_and_resumes_exactly(tmp_path):
+    """The README said FSDP with update_in_backward neither saves nor reads checkpoints; it does both (its
+    run has the engine's canonical form), and its resume continues bit for bit."""
+    uib = ["parallel.fsdp=2", "parallel.update_in_backward=true", "optim.max_grad_norm=0", "run.steps=4"]
+    whole = train(cfg(tmp_path / "whole", *uib, "run.checkpoint_every=-1"))
+    first = train(cfg(tmp_path / "run", *uib), stop_after=2)
+    assert os.listdir(tmp_path / "run" / "checkpoints") == ["2"]
+    rest = train(cfg(tmp_path / "run", *uib))
+    np.testing.assert_array_equal(first + rest, whole)
