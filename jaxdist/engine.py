@@ -586,16 +586,50 @@ class ParallelRun:
         return jax.jit(self._from_canonical, out_shardings=self.state_shardings)(tree)
 
     def _reorder(self, tree, convert):
-        """Apply `convert(x, tp_dim, groups, tp)` to every parameter and every optimizer leaf mirroring one."""
+        """Apply `convert(x, tp_dim, groups, tp)` to every parameter and every optimizer leaf holding a
+        parameter's values along its tp dimension (`_opt_tp_dims`)."""
         tp = self.cfg.tp
         params, opt = tree
         xs = jax.tree.leaves(params)
         params = self.treedef.unflatten(
             [convert(x, leaf.tp_dim, leaf.groups, tp) for x, leaf in zip(xs, self.leaves, strict=True)]
         )
-        leaves = self.treedef.unflatten(self.leaves)
-        opt = mirror_map(opt, leaves, lambda x, leaf: convert(x, leaf.tp_dim, leaf.groups, tp), lambda x: x)
-        return params, opt
+        opt_leaves, opt_def = jax.tree.flatten(opt)
+        placed = [
+            x if k is None else convert(x, dim, self.leaves[k].groups, tp)
+            for x, (k, dim) in zip(opt_leaves, self._opt_tp_dims(opt), strict=True)
+        ]
+        return params, opt_def.unflatten(placed)
+
+    def _opt_tp_dims(self, opt) -> list[tuple[int | None, int | None]]:
+        """For each optimizer leaf, `(k, dim)`: it holds parameter k's values along k's reordered tp dimension
+        in its dimension `dim` (a mirror such as Adam's moments, or a statistic with one dimension reduced
+        away such as Adafactor's row and column moments), else `(None, None)`. Only grouped columns (fused
+        q/k/v) are stored in another order; a leaf of one whose order cannot be derived is refused."""
+        out = []
+        paths = jax.tree_util.tree_flatten_with_path(opt)[0]
+        by_path = owners(opt, self.treedef.unflatten(self.leaves), same_shape=False)
+        for (kp, x), k in zip(paths, by_path, strict=True):
+            leaf = None if k is None else self.leaves[k]
+            if leaf is None or leaf.tp_dim is None or leaf.groups == 1 or self.cfg.tp == 1:
+                out.append((None, None))
+            elif tuple(x.shape) == tuple(leaf.shape):
+                out.append((k, leaf.tp_dim))
+            elif leaf.shape[leaf.tp_dim] not in x.shape:  # e.g. a placeholder: no values along the tp dimension
+                out.append((None, None))
+            else:
+                removed = [d for d in range(len(leaf.shape)) if leaf.shape[:d] + leaf.shape[d + 1 :] == tuple(x.shape)]
+                dims = {None if d == leaf.tp_dim else leaf.tp_dim - (d < leaf.tp_dim) for d in removed}
+                if len(dims) != 1:
+                    raise ValueError(
+                        f"Parallel.canonical: the optimizer state leaf {jax.tree_util.keystr(kp)} {list(x.shape)} of "
+                        f"{leaf.name} {list(leaf.shape)}, whose fused columns tp stores in another order, is not the "
+                        "parameter's shape nor that shape with one dimension removed, so its canonical order is "
+                        "unknown; use an optimizer whose state mirrors the parameters (adam, sgd, adafactor) or tp=1"
+                    )
+                dim = dims.pop()
+                out.append((None, None) if dim is None else (k, dim))
+        return out
 
     def _to_canonical(self, state: TrainState) -> TrainState:
         params, opt = self._reorder((state.params, state.opt_state), from_storage)

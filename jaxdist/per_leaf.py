@@ -18,19 +18,25 @@ from jax.extend import core as jcore
 SHARED = "shared"
 
 
-def owners(opt_state, params) -> list[int | None]:
+def owners(opt_state, params, same_shape: bool = True) -> list[int | None]:
     """For each leaf of `opt_state`, the index of the leaf of `params` it mirrors (same path suffix
-    and shape, as Adam's moments do, also inside masked and multi_transform states), or None."""
+    and shape, as Adam's moments do, also inside masked and multi_transform states), or None.
+    With `same_shape=False`, the leaf of `params` whose path ends the leaf's path, whatever its shape
+    and also where a list index follows it (e.g. Adafactor's row and column statistics of a matrix,
+    SM3's list of one accumulator per dimension)."""
     by_path = {
         tuple(str(k) for k in kp): (k, x.shape)
         for k, (kp, x) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])
     }
 
     def owner(kp, x):
+        if not same_shape:
+            while kp and isinstance(kp[-1], jax.tree_util.SequenceKey) and tuple(str(k) for k in kp) not in by_path:
+                kp = kp[:-1]
         keys = tuple(str(k) for k in kp)
         for start in range(len(keys)):
             hit = by_path.get(keys[start:])
-            if hit is not None and hit[1] == x.shape:
+            if hit is not None and (hit[1] == x.shape or not same_shape):
                 return hit[0]
         return None
 

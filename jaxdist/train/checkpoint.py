@@ -282,7 +282,7 @@ class Checkpoints:
         target = self.unreadable_dir / str(step)
         warn(
             f"checkpoint {self.directory / str(step)} is unreadable ({reason}); "
-            f"moved to {target}, resuming from the previous one"
+            f"moved to {target}; the previous one is used instead"
         )
         if jax.process_index() == 0:
             shutil.rmtree(target, ignore_errors=True)
@@ -333,8 +333,14 @@ class Checkpoints:
             self.manager.close()
 
 
+# how the model computes, chosen by the platform (flash attention on NVIDIA GPUs): not what a checkpoint holds,
+# so a GPU run's checkpoint resumes on CPU and back
+PLATFORM_KEYS = ("attention",)
+
+
 def check_same_model(meta: dict, model: dict, directory: Path) -> None:
-    if meta.get("model") != model:
+    identity = lambda m: {k: v for k, v in m.items() if k not in PLATFORM_KEYS} if isinstance(m, dict) else m
+    if identity(meta.get("model")) != identity(model):
         saved = json.dumps(meta.get("model"), sort_keys=True)
         raise ConfigError(
             f"the checkpoint in {directory} is for another model ({saved}); use a new run.out_dir, "

@@ -188,6 +188,7 @@ def validate(cfg: TrainConfig) -> None:
     positive += [
         ("optim.accumulation_steps", cfg.optim.accumulation_steps),
         ("optim.decay_steps", cfg.optim.decay_steps),
+        ("run.keep_checkpoints", cfg.run.keep_checkpoints),  # below 1 kept one anyway, silently
     ]
     positive += [
         (f"model.{k}", getattr(cfg.model, k)) for k in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size")
@@ -195,6 +196,11 @@ def validate(cfg: TrainConfig) -> None:
     for name, value in positive:
         if value is not None and value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
+    if cfg.run.checkpoint_every < -1:  # -1 means none; anything lower read as none, silently
+        raise ConfigError(
+            f"run.checkpoint_every must be >= 1 (steps between checkpoints), 0 (only at the end) or -1 (none), "
+            f"got {cfg.run.checkpoint_every}"
+        )
     if cfg.parallel.remat not in (True, False, "auto"):
         raise ConfigError(f"parallel.remat must be auto, true or false, got {cfg.parallel.remat!r}")
     if cfg.parallel.remat is False and cfg.parallel.pp > 1:

@@ -24,13 +24,15 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
     out = Path(out).absolute()
     if out.exists():
         raise CheckpointError(f"{out} already exists; pick a new output path or remove it")
+    if not (Path(run_dir) / "checkpoints").is_dir():  # checked first: opening one would create it
+        raise CheckpointError(f"{Path(run_dir).absolute()} holds no checkpoints/; check the run directory")
     ckpt = Checkpoints(run_dir, keep=1 << 30)  # keeps everything: reading must never delete a checkpoint
     try:
         found = ckpt.newest_readable(
             lambda s: (ckpt.meta(s), ckpt.restore_params(s)), below=None if step is None else step + 1
         )
         if found is None or (step is not None and found[0] != step):
-            which = "a readable checkpoint" if step is None else f"a readable checkpoint of step {step}"
+            which = "readable checkpoint" if step is None else f"readable checkpoint of step {step}"
             raise CheckpointError(f"{ckpt.directory} holds no {which}; check the run directory")
         step, (meta, params) = found
     finally:

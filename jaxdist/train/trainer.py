@@ -291,16 +291,6 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
             f"{' x accumulation steps' if cfg.optim.accumulation_steps > 1 else ''}; pick a multiple of {n_batch}"
         )
 
-    model = GPT(mcfg, nnx.Rngs(cfg.run.seed))
-    if cfg.run.init_from:  # a resumed run reads its own checkpoint instead, below
-        from jaxdist.train.export import load_params
-
-        nnx.update(model, load_params(cfg.run.init_from, nnx.state(model, nnx.Param)))
-    # host copies: every process passes the same values, which is what a multi-process jit needs
-    nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))
-    loader = hooks.Loader(source, cfg.data.batch_size, batch_sharding)
-    example = {"tokens": np.zeros(loader.shape, np.int32)}
-    evaluator = hooks.evaluator(cfg, mcfg, out_dir, batch_sharding)
     model_meta = {k: (str(v) if k == "dtype" or k == "param_dtype" else v) for k, v in dataclasses.asdict(mcfg).items()}
     layout = layout_of(cfg, mesh)
     keep, compress = cfg.run.keep_checkpoints, cfg.run.checkpoint_compress
@@ -311,6 +301,17 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     if found is not None:
         start, meta = found
         hooks.check_same_data(meta, source)
+
+    model = GPT(mcfg, nnx.Rngs(cfg.run.seed))
+    if cfg.run.init_from and found is None:  # a resumed run reads its own checkpoint instead, below
+        from jaxdist.train.export import load_params
+
+        nnx.update(model, load_params(cfg.run.init_from, nnx.state(model, nnx.Param)))
+    # host copies: every process passes the same values, which is what a multi-process jit needs
+    nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))
+    loader = hooks.Loader(source, cfg.data.batch_size, batch_sharding)
+    example = {"tokens": np.zeros(loader.shape, np.int32)}
+    evaluator = hooks.evaluator(cfg, mcfg, out_dir, batch_sharding)
     decay_steps = schedule_lib.decay_steps(cfg, meta, start)
     optimizer, schedule = make_optimizer(cfg, decay_steps)
     run = parallelize(cfg, mesh, model, optimizer, example)
@@ -345,7 +346,9 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     held = {"window": 0.0, "run": 0.0, "saves": 0}  # seconds the loop waited in checkpoint saves
 
     def save(step: int, in_loop: bool = True):
-        if ckpt is not None and step > 0 and step != ckpt.latest():  # a resumed, finished run has it already
+        # only steps this invocation trained: a resumed run has its start step already (a finished run
+        # given a smaller run.steps would otherwise save its newest state under the smaller step's name)
+        if ckpt is not None and step > start and step != ckpt.latest():
             jax.block_until_ready(state)  # the queued steps' compute is not the checkpoint's
             began = time.perf_counter()
             ckpt.save(step, run.canonical(state), {**meta_out, "step": step})
@@ -408,17 +411,22 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
             hooks.print_sample(cfg, run.model(state), source)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (a scheduler's stop): see _StopRequests
         # the state after the last finished step: a checkpoint of it (and the one in flight), then stop
-        done = start + len(losses) + len(pending)
-        print(f"\njaxdist: interrupted; saving step {done}")
-        save(done)
+        if any(x.is_deleted() for x in jax.tree.leaves(state)):  # inside a step that took (donated) it
+            print("\njaxdist: interrupted inside a step; the newest checkpoint is the one to resume from")
+        elif ckpt is not None:
+            done = int(_host(state.step))  # the state's own count: the interrupt may precede the loop's
+            print(f"\njaxdist: interrupted; saving step {done}")
+            save(done)
         raise
     finally:
-        stop.close()
         guard.close()
         bar.close()
         log.close()
-        if ckpt:
-            ckpt.close()
+        try:
+            if ckpt:
+                ckpt.close()  # with the stop handlers still in place: a SIGTERM now must not cut the last save
+        finally:
+            stop.close()
     return losses
 
 
@@ -466,7 +474,14 @@ def _newest_meta(ckpt: Checkpoints, model_meta: dict):
         check_same_model(meta, model_meta, ckpt.directory)
         return meta
 
-    return ckpt.newest_readable(read)
+    had_checkpoints = bool(ckpt.manager.all_steps())
+    found = ckpt.newest_readable(read)
+    if found is None and had_checkpoints:  # starting over would replace the run: as run_dir refuses it
+        raise CheckpointError(
+            f"no readable checkpoint left in {ckpt.directory} (each moved to {ckpt.unreadable_dir}); "
+            "set run.overwrite=true to start over"
+        )
+    return found
 
 
 def _restore_state(ckpt: Checkpoints, start: int, run, model_meta: dict):

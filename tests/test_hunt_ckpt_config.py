@@ -1,0 +1,25 @@
+"""The checkpoint settings are checked like every other key (README: "Every key is checked"): a value
+no run can use stops it with a one-line ConfigError instead of being read as something else."""
+
+import pytest
+
+from jaxdist.train import config as config_lib
+from jaxdist.train.config import ConfigError, validate
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("run.keep_checkpoints=0", "run.keep_checkpoints must be >= 1, got 0"),
+        ("run.checkpoint_every=-2", "run.checkpoint_every must be >= 1 .* or -1 \\(none\\), got -2"),
+    ],
+)
+def test_unusable_checkpoint_settings_are_refused_on_one_line(override, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        validate(config_lib.load(None, [override]))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("override", ["run.keep_checkpoints=1", "run.checkpoint_every=-1", "run.checkpoint_every=0"])
+def test_the_documented_checkpoint_settings_are_accepted(override):
+    validate(config_lib.load(None, [override]))
