@@ -178,7 +178,7 @@ class DDPRun:
         )
         self.state_shardings = self._state_shardings()
         self.state = self._init_state(params, stored)
-        self.step = PlacedStep(self._step, self._sharding(self.batch_spec))
+        self.step = PlacedStep(self._step, self._sharding(self.batch_spec), check=self._micro_batch_avals)
 
     # -- tracing helpers -----------------------------------------------------
 
@@ -195,9 +195,11 @@ class DDPRun:
     def _grad_fn(self):
         return jax.value_and_grad(self._loss_of_leaves, has_aux=True)
 
-    def _grad_jaxpr(self):
-        """Inputs: parameter leaves, model state leaves, batch leaves; outputs: loss, model state, gradients."""
-        return jax.make_jaxpr(self._grad_fn())(self.param_avals, self.stored_avals, self.micro_batch)
+    def _grad_jaxpr(self, micro_batch=None):
+        """Inputs: parameter leaves, model state leaves, batch leaves; outputs: loss, model state, gradients.
+        `micro_batch`: the micro-batch's avals (default: `prepare`'s example batch's)."""
+        micro_batch = self.micro_batch if micro_batch is None else micro_batch
+        return jax.make_jaxpr(self._grad_fn())(self.param_avals, self.stored_avals, micro_batch)
 
     # -- state ---------------------------------------------------------------
 
@@ -334,7 +336,8 @@ class DDPRun:
         stored = self.model_state.for_step(model_state, jax.lax.axis_index(cfg.axis), step)
         n_stored = len(jax.tree.leaves(stored))
         micro = jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), batch)
-        closed = self._grad_jaxpr()
+        # traced for this step's batch, which may differ in size from prepare's example
+        closed = self._grad_jaxpr(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), micro))
         n = len(self.param_avals)
         by_bucket = {i: self._bucket_of[i] for i in range(n)}
         gathered = {i: b for i, b in by_bucket.items() if self.layout.buckets[b].sharded}

@@ -309,9 +309,7 @@ class ParallelRun:
         outer = [k for k, leaf in enumerate(self.leaves) if leaf.path[0] != units.blocks]
         n_data = int(np.prod([cfg._size(a) for a in cfg.data_axes]))
         self.n_data = n_data
-        self.local_batch = local_batch_avals(
-            batch, n_data, "Parallel", f"the {n_data} devices of the data axes {cfg.data_axes}; change the batch size"
-        )
+        self.local_batch = self._check_batch(batch)
         start = self.initial_model_state["outer"]
         embed = lambda ws, b: self._outer_apply(ws, start, lambda m: units.embed(m, b), bound=False)[0]
         x_aval = jax.eval_shape(embed, self._avals(outer, whole=True), self.local_batch)
@@ -329,7 +327,14 @@ class ParallelRun:
             check_per_leaf(optimizer, pure, "Parallel")
         self.state = self._init_state(pure)
         self.opt_owners = owners(self.state.opt_state, self.state.params)
-        self.step = PlacedStep(self._step, self._sharding(self._batch_spec()))
+        self.step = PlacedStep(self._step, self._sharding(self._batch_spec()), check=self._check_batch)
+
+    def _check_batch(self, batch):
+        """One data rank's avals of a global `batch` (prepare's example or a step's); a batch that does
+        not split over the data axes raises, naming the fix."""
+        cfg = self.cfg
+        fix = f"the {self.n_data} devices of the data axes {cfg.data_axes}; change the batch size"
+        return local_batch_avals(batch, self.n_data, type(cfg).__name__, fix)
 
     # -- blocks and layout -----------------------------------------------------------
 

@@ -34,10 +34,13 @@ def reference(make_model, loss_fn, batches, optimizer):
     graphdef, params, rest = nnx.split(make_model(), nnx.Param, ...)
     pure = nnx.to_pure_dict(params)
     opt_state = optimizer.init(pure)
+    # the other variables rebuilt inside the trace: a forward that updates them (statistics) may
+    rest_leaves, rest_def = jax.tree.flatten(rest)
 
     @jax.jit
     def step(p, s, batch):
-        loss, g = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), batch))(p)
+        model = lambda p: nnx.merge(graphdef, p, jax.tree.unflatten(rest_def, rest_leaves))
+        loss, g = jax.value_and_grad(lambda p: loss_fn(model(p), batch))(p)
         updates, s = optimizer.update(g, s, p)
         return optax.apply_updates(p, updates), s, loss, optax.global_norm(g)
 
