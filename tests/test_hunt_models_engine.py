@@ -320,3 +320,32 @@ def test_frozen_parameters_stay_frozen_and_the_rest_train_as_on_one_device(updat
 def test_fsdp_wrapper_with_bf16_reduce_dtype_stays_close_and_float32_is_exact(odd_reference):
     run = FSDP(cpu_mesh((8,), ("fsdp",))).prepare(OddMLP(nnx.Rngs(0)), clipped_momentum(), ODD_UNITS, odd_batches(1)[0])
     assert_same_training(train(run, odd_batches(STEPS)), odd_reference)
+
+
+# -- clear errors for bad input -------------------------------------------------------------------
+
+
+def test_a_head_that_meets_the_batch_before_a_tp_layer_under_sequence_parallelism_is_a_clear_error():
+    """Under sequence parallelism the head gets this tp rank's chunk of the tokens (here the rows)
+    while the batch stays whole: `m.out`, not a tp layer, meets `b["y"]` with the wrong row count.
+    The documented restriction must be named, not left as a broadcasting error in the user's code."""
+    strategy = Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=ODD_PLAN, sequence_parallel=True)
+    with pytest.raises(ValueError, match="the head failed on this tp rank's chunk of the tokens.*first layer must be"):
+        strategy.prepare(OddMLP(nnx.Rngs(0), hidden=6), optax.sgd(0.1), ODD_UNITS, odd_batches(1)[0])
+
+
+def test_meshes_without_the_strategies_axes_are_clear_errors():
+    batch = odd_batches(1)[0]
+    with pytest.raises(ValueError, match="mesh axes \\['data'\\] are none of"):
+        Parallel(cpu_mesh((8,), ("data",)))
+    with pytest.raises(ValueError, match="pass plan=TPPlan"):
+        Parallel(cpu_mesh((4, 2), ("dp", "tp")))
+    with pytest.raises(ValueError, match="axis 'dp' is not a mesh axis"):
+        DDP(cpu_mesh((8,), ("data",)))
+    with pytest.raises(ValueError, match="axis 'fsdp' is not a mesh axis"):
+        FSDP(cpu_mesh((8,), ("dp",)))
+    # named axes work as the defaults do
+    run = Parallel(cpu_mesh((8,), ("data",)), dp_axis="data").prepare(
+        OddMLP(nnx.Rngs(0)), optax.sgd(0.1), ODD_UNITS, batch
+    )
+    assert np.isfinite(float(run.step(run.state, batch)[1]["loss"]))
