@@ -113,9 +113,10 @@ def tp_summed(
                 raise
             # the documented cause under sequence parallelism: the unit's code meets the chunk of the tokens
             # with whole side inputs (a shape error in the user's code, which alone names neither)
+            cause = f"{type(own).__name__}: {str(own).rstrip('.')}"
             raise ValueError(
                 f"Parallel: {who} failed on this tp rank's chunk of the tokens (sequence_parallel: its activations "
-                f"have shape {x.shape}, the batch's arrays stay whole): {type(own).__name__}: {str(own).rstrip('.')}. Its first "
+                f"have shape {x.shape}, the batch's arrays stay whole): {cause}. Its first "
                 "layer must be a tp layer (which gathers the tokens) before the activations meet the batch; or "
                 "slice the batch to the chunk (pass sequence_dim=1 to fix it to the sequence), or turn "
                 "sequence_parallel off"
