@@ -111,3 +111,38 @@ def test_integer_and_linear_batch_statistics_train_as_on_one_device(strategy):
         assert np.asarray(x).dtype == np.asarray(y).dtype, path
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7, err_msg=str(path))
     assert int(stats["layers"][1]["count"]) == 3
+
+
+def prepared(kind: str, optimizer, batch):
+    model = TrackedMLP(nnx.Rngs(0))
+    if kind == "zero1":
+        return DDP(cpu_mesh((8,), ("dp",)), zero1=True).prepare(model, optimizer, loss, batch)
+    if kind == "ddp":
+        return DDP(cpu_mesh((8,), ("dp",))).prepare(model, optimizer, loss, batch)
+    if kind == "hsdp":
+        return Parallel(cpu_mesh((2, 4), ("dp", "fsdp"))).prepare(model, optimizer, UNITS, batch)
+    return Parallel(cpu_mesh((8,), ("fsdp",))).prepare(model, optimizer, UNITS, batch)
+
+
+@pytest.mark.parametrize(("source", "target"), [("zero1", "hsdp"), ("fsdp", "ddp")])
+def test_the_canonical_state_moves_statistics_and_momentum_across_layouts(source, target):
+    """One step on `source`, the canonical state onto `target`, two more steps: the single device's
+    three steps (parameters, momentum through them, the integer count and the EMA)."""
+    data = odd_batches(3)
+    opt = optax.sgd(0.2, momentum=0.9)
+    (want_losses, want_params, _), want_stats = reference_with_state(data, opt)
+    first, then = prepared(source, opt, data[0]), prepared(target, opt, data[0])
+    state, _ = first.step(first.state, data[0])
+    state = then.from_canonical(first.canonical(state))
+    losses = []
+    for batch in data[1:]:
+        state, metrics = then.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, want_losses[1:], rtol=5e-6)
+    params = nnx.to_pure_dict(then.params(state))
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    stats = nnx.to_pure_dict(nnx.state(then.model(state), nnx.BatchStat))
+    for x, y in zip(jax.tree.leaves(stats), jax.tree.leaves(want_stats), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+    assert int(stats["inp"]["count"]) == 3
