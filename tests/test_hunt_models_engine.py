@@ -366,3 +366,32 @@ def test_ddp_masked_mean_is_the_global_mean_over_real_entries():
     want = reference(make, masked_loss, data, opt)
     run = DDP(cpu_mesh((8,), ("dp",))).prepare(make(), opt, masked_loss, data[0])
     assert_same_training(train(run, data), want)
+
+
+SEQPAR_PLAN = tp_plan.TPPlan(
+    {"layers/*/up": tp_plan.column(), "layers/*/down": tp_plan.row(), "out": tp_plan.column(gather_output=True)}
+)
+
+
+def test_sequence_parallel_masked_mean_with_scalar_gates_on_the_token_chunks():
+    """Under sequence parallelism the blocks' scalar gate and size-1 shift act on each tp rank's chunk
+    of the rows (their gradients need a sum over tp), the head gathers the chunks first, and the loss
+    is the global mean over real entries (counts differ per data rank)."""
+    rng = np.random.default_rng(0)
+    data = [
+        {
+            **b,
+            "y": rng.normal(size=(16, 4)).astype(np.float32),
+            "mask": np.concatenate([b["mask"], b["mask"][:, :1]], 1),
+        }
+        for b in masked_batches(STEPS)
+    ]
+    make = lambda: OddMLP(nnx.Rngs(0), hidden=6, d_out=4, layers=2)
+    want = reference(make, masked_loss, data, clipped_momentum())
+    units = Units(embed=ODD_UNITS.embed, head_loss=masked_head, blocks="layers", sum_and_count=True)
+    strategy = Parallel(
+        cpu_mesh((2, 2, 2), ("dp", "fsdp", "tp")), plan=SEQPAR_PLAN, sequence_parallel=True, remat=False
+    )
+    run = strategy.prepare(make(), clipped_momentum(), units, data[0])
+    assert run.sequence_dim == 0
+    assert_same_training(train(run, data), want)
