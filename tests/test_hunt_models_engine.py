@@ -351,21 +351,47 @@ def test_meshes_without_the_strategies_axes_are_clear_errors():
     assert np.isfinite(float(run.step(run.state, batch)[1]["loss"]))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DEFECT (not fixed): DDP's loss_fn returns each rank's mean and DDP averages those means; with a loss "
-    "mask whose count of real entries differs per rank that is not the single device's mean over all real entries, "
-    "and DDP has no sum_and_count (the engine's Units has) nor an error: the result is silently another loss",
-)
-def test_ddp_masked_mean_is_the_global_mean_over_real_entries():
-    make = lambda: OddMLP(nnx.Rngs(0), hidden=6)
-    # every rank holds real entries (its mean is finite), rank r holds (r mod 6) + 1 of its 6
+def uneven_masked_batches():
+    """Every rank and micro-batch holds real entries (its mean is finite), in different counts: row
+    pair r (a rank's rows under dp=8) holds (r mod 6) + 1 of its 6 entries."""
     mask = (np.arange(6)[None, :] <= np.arange(8)[:, None] % 6).astype(np.float32).reshape(16, 3)
-    data = [{**b, "mask": mask} for b in masked_batches(STEPS)]
+    return [{**b, "mask": mask} for b in masked_batches(STEPS)]
+
+
+def ddp_masked_sum_and_count(model, batch):
+    err = (model(batch["x"]) - batch["y"]) ** 2 * batch["mask"]
+    return err.sum(), batch["mask"].sum()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(dp=8), dict(dp=4, zero1=True, accumulation_steps=2), dict(dp=8, zero1=True, average_in_collective=False)],
+    ids=["ddp", "zero1-accumulation", "zero1-sum-in-collective"],
+)
+def test_ddp_sum_and_count_is_the_global_mean_over_real_entries(options):
+    """Ranks (and micro-batches) hold different counts of real entries: with `sum_and_count` the
+    loss and the SGD step are the single device's mean over all of them."""
+    make = lambda: OddMLP(nnx.Rngs(0), hidden=6)
+    data = uneven_masked_batches()
     opt = optax.sgd(0.2, momentum=0.9)
     want = reference(make, masked_loss, data, opt)
-    run = DDP(cpu_mesh((8,), ("dp",))).prepare(make(), opt, masked_loss, data[0])
+    options = dict(options)
+    mesh = cpu_mesh((options.pop("dp"),), ("dp",))
+    run = DDP(mesh, sum_and_count=True, **options).prepare(make(), opt, ddp_masked_sum_and_count, data[0])
     assert_same_training(train(run, data), want)
+
+
+def test_ddp_without_sum_and_count_averages_per_rank_means():
+    """Why the option exists: each rank's own mean, averaged over ranks, is another loss (the test above
+    can fail), and a loss_fn that returns a pair without the option is refused at prepare."""
+    make = lambda: OddMLP(nnx.Rngs(0), hidden=6)
+    data = uneven_masked_batches()
+    want = reference(make, masked_loss, data, optax.sgd(0.2))
+    run = DDP(cpu_mesh((8,), ("dp",))).prepare(make(), optax.sgd(0.2), masked_loss, data[0])
+    _, m = run.step(run.state, data[0])
+    assert abs(float(m["loss"]) - want[0][0]) > 1e-2
+    with pytest.raises(ValueError, match="needs loss_fn to return \\(sum, count\\) scalars"):
+        DDP(cpu_mesh((8,), ("dp",)), sum_and_count=True).prepare(make(), optax.sgd(0.2), masked_loss, data[0])
 
 
 SEQPAR_PLAN = tp_plan.TPPlan(
