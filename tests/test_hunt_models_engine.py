@@ -421,3 +421,20 @@ def test_sequence_parallel_masked_mean_with_scalar_gates_on_the_token_chunks():
     run = strategy.prepare(make(), clipped_momentum(), units, data[0])
     assert run.sequence_dim == 0
     assert_same_training(train(run, data), want)
+
+
+@pytest.mark.parametrize(
+    ("rules", "match"),
+    [
+        ({"layers/*/down": tp_plan.row()}, "layers/0/down \\(row parallel\\) gets 6 input features"),
+        ({"layers/*/up": tp_plan.row(), "layers/*/down": tp_plan.row()}, "layers/0/up \\(row parallel\\) gets 8"),
+        ({"layers/*/up": tp_plan.column(), "layers/*/down": tp_plan.column()}, "layers/0/down \\(column parallel\\)"),
+    ],
+    ids=["row-without-column", "row-after-row", "column-after-column"],
+)
+def test_a_plan_whose_layers_do_not_chain_is_a_clear_error(rules, match):
+    """A row layer takes one rank's features from a column layer, a column layer whole activations;
+    a plan that breaks this must say so, not fail inside the layer's matmul."""
+    strategy = Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=tp_plan.TPPlan(rules))
+    with pytest.raises(ValueError, match=match):
+        strategy.prepare(OddMLP(nnx.Rngs(0), hidden=6, d=8), optax.sgd(0.1), ODD_UNITS, odd_batches(1)[0])
