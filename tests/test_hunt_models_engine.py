@@ -438,3 +438,45 @@ def test_a_plan_whose_layers_do_not_chain_is_a_clear_error(rules, match):
     strategy = Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=tp_plan.TPPlan(rules))
     with pytest.raises(ValueError, match=match):
         strategy.prepare(OddMLP(nnx.Rngs(0), hidden=6, d=8), optax.sgd(0.1), ODD_UNITS, odd_batches(1)[0])
+
+
+# -- layers stacked with nnx.vmap, holding scalar and size-1 parameters -------------------------
+
+
+class StackedOdd(nnx.Module):
+    """OddBlock layers stacked with `nnx.vmap` and run with `nnx.scan`: the stacked scalar gate has
+    shape (layers,), the shift (layers, 1); neither splits past the layer axis."""
+
+    def __init__(self, rngs: nnx.Rngs, layers=3, d=7, hidden=6):
+        self.inp = nnx.Linear(5, d, rngs=rngs)
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return OddBlock(d, hidden, rngs)
+
+        self.layers = make(rngs)
+        self.out = nnx.Linear(d, 3, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(x, layer):
+            return layer(x)
+
+        return self.out(forward(self.inp(x), self.layers))
+
+
+def test_stacked_layers_with_scalar_parameters_under_hsdp_and_tp_match_one_device():
+    data = odd_batches(STEPS)
+    want = reference(lambda: StackedOdd(nnx.Rngs(0)), odd_loss, data, clipped_momentum())
+    units = Units(
+        embed=ODD_UNITS.embed,
+        head_loss=lambda m, x, b: jnp.mean((m.out(x) - b["y"]) ** 2),
+        blocks="layers",
+        stacked=True,
+    )
+    plan = tp_plan.TPPlan({"layers/up": tp_plan.column(), "layers/down": tp_plan.row()})
+    run = Parallel(cpu_mesh((2, 2, 2), ("dp", "fsdp", "tp")), plan=plan).prepare(
+        StackedOdd(nnx.Rngs(0)), clipped_momentum(), units, data[0]
+    )
+    assert_same_training(train(run, data), want)
