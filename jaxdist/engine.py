@@ -183,6 +183,10 @@ class Parallel:
             raise ValueError("Parallel: sequence_parallel needs a tp axis of size > 1")
         if self.sequence_dim is not None and not self.sequence_parallel:
             raise ValueError("Parallel: sequence_dim only applies with sequence_parallel=True; drop it or turn that on")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            # the clip scales gradients by max_grad_norm / norm: 0 would freeze training and a negative
+            # value reverse it, silently
+            raise ValueError(f"Parallel: max_grad_norm must be positive or None, got {self.max_grad_norm!r}")
         if self.update_in_backward and self.max_grad_norm is not None:
             raise ValueError(
                 "Parallel: update_in_backward updates each unit before the global gradient norm exists, so it cannot "

@@ -20,6 +20,7 @@ from jaxdist import tp_plan
 from jaxdist.ddp import DDP
 from jaxdist.engine import Parallel, Units
 from jaxdist.fsdp import FSDP
+from jaxdist.pipeline import Pipelined
 
 STEPS = 3
 LOSS_RTOL = 5e-6
@@ -480,3 +481,17 @@ def test_stacked_layers_with_scalar_parameters_under_hsdp_and_tp_match_one_devic
         StackedOdd(nnx.Rngs(0)), clipped_momentum(), units, data[0]
     )
     assert_same_training(train(run, data), want)
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, -1.0, float("nan")])
+def test_a_max_grad_norm_that_is_not_positive_is_refused_by_every_strategy(max_grad_norm):
+    """Clipping scales gradients by max_grad_norm / norm: 0 stops training and a negative value
+    reverses it without a word. DDP refused it; the engine, FSDP and the pipeline took it."""
+    with pytest.raises(ValueError, match="max_grad_norm must be positive or None"):
+        DDP(cpu_mesh((8,), ("dp",)), max_grad_norm=max_grad_norm)
+    with pytest.raises(ValueError, match="max_grad_norm must be positive or None"):
+        Parallel(cpu_mesh((8,), ("fsdp",)), max_grad_norm=max_grad_norm)
+    with pytest.raises(ValueError, match="max_grad_norm must be positive or None"):
+        FSDP(cpu_mesh((8,), ("fsdp",)), max_grad_norm=max_grad_norm)
+    with pytest.raises(ValueError, match="max_grad_norm must be positive or None"):
+        Pipelined(cpu_mesh((2, 4), ("pp", "dp")), microbatches=2, max_grad_norm=max_grad_norm)
