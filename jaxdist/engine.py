@@ -321,8 +321,11 @@ class ParallelRun:
         zeros_x = lambda: jnp.zeros(x_aval.shape, x_aval.dtype)
         head = lambda ws, b: self._outer_apply(ws, start, lambda m: units.head_loss(m, zeros_x(), b), bound=False)[0]
         self.aux_specs = self._aux_specs(jax.eval_shape(head, self._avals(outer, whole=True), self.local_batch))
-        read_by_embed = self._reads(embed, outer)
-        read_by_head = self._reads(head, outer)
+        everything = range(len(self.leaves))
+        read_by_embed = self._reads(embed, everything)
+        read_by_head = self._reads(head, everything)
+        self._check_outer_reads(read_by_embed - set(outer), "embed")
+        self._check_outer_reads(read_by_head - set(outer), "head_loss")
         self.embed_leaves = [k for k in outer if k in read_by_embed]
         self.head_leaves = [k for k in outer if k in read_by_head or k not in read_by_embed]
         self.tied = [k for k in self.embed_leaves if k in self.head_leaves]
@@ -339,6 +342,18 @@ class ParallelRun:
         cfg = self.cfg
         fix = f"the {self.n_data} devices of the data axes {cfg.data_axes}; change the batch size"
         return local_batch_avals(batch, self.n_data, type(cfg).__name__, fix)
+
+    def _check_outer_reads(self, block_reads: set[int], unit: str) -> None:
+        """The embed and head units run on the outer parameters only (a block's parameters are gathered for
+        its own unit): one that reads a block's parameters would compute with zeros in their place."""
+        if block_reads:
+            names = ", ".join(self.leaves[k].name for k in sorted(block_reads)[:3])
+            names += " ..." if len(block_reads) > 3 else ""
+            raise ValueError(
+                f"Parallel: Units.{unit} reads parameters of the blocks ({names}); "
+                "the embed and head units see only the parameters outside the blocks. Run that module as a block "
+                "(or give the embed / head a module of its own), or use DDP, which has no units"
+            )
 
     # -- blocks and layout -----------------------------------------------------------
 

@@ -495,3 +495,32 @@ def test_a_max_grad_norm_that_is_not_positive_is_refused_by_every_strategy(max_g
         FSDP(cpu_mesh((8,), ("fsdp",)), max_grad_norm=max_grad_norm)
     with pytest.raises(ValueError, match="max_grad_norm must be positive or None"):
         Pipelined(cpu_mesh((2, 4), ("pp", "dp")), microbatches=2, max_grad_norm=max_grad_norm)
+
+
+class ReusesTheLastBlock(OddMLP):
+    """The last block applied once more before the head (weight reuse, as universal transformers do)."""
+
+    def __call__(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(self.layers[-1](x)) * self.temperature
+
+
+def test_embed_or_head_reading_a_blocks_parameters_is_refused_not_computed_with_zeros():
+    """The head unit holds only the parameters outside the blocks: reading the last block's there ran it
+    on zeros in place of its weights (loss 8.24 where one device has 7.71), silently. DDP trains such a
+    model exactly; the engine must refuse it."""
+    data = odd_batches(2)
+    want = reference(lambda: ReusesTheLastBlock(nnx.Rngs(0)), odd_loss, data, optax.sgd(0.1))
+    ddp = DDP(cpu_mesh((8,), ("dp",))).prepare(ReusesTheLastBlock(nnx.Rngs(0)), optax.sgd(0.1), odd_loss, data[0])
+    np.testing.assert_allclose(train(ddp, data)[0], want[0], rtol=LOSS_RTOL)
+    head = lambda m, x, b: jnp.mean((m.out(m.layers[-1](x)) * m.temperature - b["y"]) ** 2)
+    units = Units(embed=ODD_UNITS.embed, head_loss=head, blocks="layers")
+    with pytest.raises(ValueError, match="Units.head_loss reads parameters of the blocks \\(layers/2/"):
+        Parallel(cpu_mesh((8,), ("fsdp",))).prepare(ReusesTheLastBlock(nnx.Rngs(0)), optax.sgd(0.1), units, data[0])
+    units = Units(embed=lambda m, b: m.layers[0](m.inp(b["x"])), head_loss=ODD_UNITS.head_loss, blocks="layers")
+    with pytest.raises(ValueError, match="Units.embed reads parameters of the blocks \\(layers/0/"):
+        Pipelined(cpu_mesh((2, 4), ("pp", "dp")), microbatches=2).prepare(
+            OddMLP(nnx.Rngs(0), layers=2), optax.sgd(0.1), units, data[0]
+        )
