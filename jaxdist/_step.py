@@ -46,14 +46,19 @@ class PlacedStep:
     A strategy that computes on its own copy of the mesh (e.g. with Auto axes, so XLA places the
     optimizer math) must not mix shardings of two mesh objects in one program (jax >= 0.11 refuses
     it): a batch sharded over the caller's mesh is moved onto the strategy's first, outside jit.
-    `lower` does the same, for reading the compiled program.
+    `lower` does the same, for reading the compiled program. `check(batch)`, when given, runs first:
+    a batch of another shape than `prepare`'s example is fine where it splits as the strategy needs,
+    and a clear error (naming the fix) where it does not.
     """
 
-    def __init__(self, step: Callable, batch_sharding: NamedSharding):
+    def __init__(self, step: Callable, batch_sharding: NamedSharding, check: Callable[[Any], Any] | None = None):
         self.jitted = jax.jit(step, donate_argnums=0)
         self.batch_sharding = batch_sharding
+        self.check = check
 
     def _place(self, batch):
+        if self.check is not None:
+            self.check(batch)
         return jax.tree.map(lambda x: jax.device_put(x, self.batch_sharding), batch)
 
     def __call__(self, state, batch):

@@ -106,7 +106,21 @@ def tp_summed(
             return jnp.zeros(())
 
         untyped = jax.shard_map(plain, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(), check_vma=False)
-        jax.eval_shape(untyped, ws, x, extra)
+        try:
+            jax.eval_shape(untyped, ws, x, extra)
+        except (TypeError, ValueError) as own:
+            if not x_varies or x is None:
+                raise
+            # the documented cause under sequence parallelism: the unit's code meets the chunk of the tokens
+            # with whole side inputs (a shape error in the user's code, which alone names neither)
+            cause = f"{type(own).__name__}: {str(own).rstrip('.')}"
+            raise ValueError(
+                f"Parallel: {who} failed on this tp rank's chunk of the tokens (sequence_parallel: its activations "
+                f"have shape {x.shape}, the batch's arrays stay whole): {cause}. Its first "
+                "layer must be a tp layer (which gathers the tokens) before the activations meet the batch; or "
+                "slice the batch to the chunk (pass sequence_dim=1 to fix it to the sequence), or turn "
+                "sequence_parallel off"
+            ) from own
         raise Undecidable(
             f"Parallel: cannot decide which gradients of {who} to sum over tp: tracing it under "
             f"shard_map(check_vma=True) failed with {type(e).__name__}: {e}"

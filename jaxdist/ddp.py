@@ -80,6 +80,11 @@ class DDP:
         The gradient is the mean over micro-batches (the gradient of the
         whole batch's mean loss), so lr, clipping and `grad_norm` mean the
         same as without accumulation.
+      sum_and_count: `loss_fn` returns `(sum, count)` (e.g. of the real tokens
+        under a padding mask) instead of a mean: the loss and its gradient are
+        the sum over every rank and micro-batch divided by their total count,
+        the single-device mean over real tokens (a mean of per-rank means is
+        not, when ranks or micro-batches hold different counts).
       skip_nonfinite: when any gradient is NaN/Inf, keep parameters and
         optimizer state unchanged and report `skipped=True`.
       max_grad_norm: clip the reduced gradient to this global L2 norm (the
@@ -101,6 +106,7 @@ class DDP:
     average_in_collective: bool = True
     reduce_dtype: Any = None
     accumulation_steps: int = 1
+    sum_and_count: bool = False
     skip_nonfinite: bool = True
     max_grad_norm: float | None = None
     overlap_grad_reduce: bool = True
@@ -135,7 +141,8 @@ class DDP:
             `jaxdist.model_state` for how they advance per rank and step.
           optimizer: any optax transformation; it sees the model's parameter
             tree (an `nnx.State`, sharded over `axis` under zero1), as on one device.
-          loss_fn: `loss_fn(model, batch) -> scalar` mean loss of a batch.
+          loss_fn: `loss_fn(model, batch) -> scalar` mean loss of a batch (with
+            `sum_and_count`, a pair `(sum, count)` of scalars).
           batch: an example global batch (arrays or ShapeDtypeStructs); every
             leaf's leading dimension is the batch and is split over `axis`.
         """
@@ -178,7 +185,7 @@ class DDPRun:
         )
         self.state_shardings = self._state_shardings()
         self.state = self._init_state(params, stored)
-        self.step = PlacedStep(self._step, self._sharding(self.batch_spec))
+        self.step = PlacedStep(self._step, self._sharding(self.batch_spec), check=self._micro_batch_avals)
 
     # -- tracing helpers -----------------------------------------------------
 
@@ -188,16 +195,25 @@ class DDPRun:
         return local_batch_avals(batch, per_step, "DDP", fix)
 
     def _loss_of_leaves(self, leaves, stored, batch):
-        """`(loss, model state after the forward)` of one micro-batch."""
+        """`(loss, (model state after the forward, count))` of one micro-batch: the mean and 1, or with
+        `sum_and_count` the sum and the count `loss_fn` returns."""
         params = self.treedef.unflatten(leaves)
-        return self.model_state.apply(self.graphdef, params, stored, lambda model: self.loss_fn(model, batch))
+        out, stored = self.model_state.apply(self.graphdef, params, stored, lambda model: self.loss_fn(model, batch))
+        if not self.cfg.sum_and_count:
+            return out, (stored, jnp.ones((), jnp.float32))
+        if not (isinstance(out, tuple) and len(out) == 2 and all(jnp.shape(x) == () for x in out)):
+            raise ValueError(f"DDP: sum_and_count=True needs loss_fn to return (sum, count) scalars, got {out}")
+        total, count = out
+        return total, (stored, jnp.asarray(count, jnp.float32))
 
     def _grad_fn(self):
         return jax.value_and_grad(self._loss_of_leaves, has_aux=True)
 
-    def _grad_jaxpr(self):
-        """Inputs: parameter leaves, model state leaves, batch leaves; outputs: loss, model state, gradients."""
-        return jax.make_jaxpr(self._grad_fn())(self.param_avals, self.stored_avals, self.micro_batch)
+    def _grad_jaxpr(self, micro_batch=None):
+        """Inputs: parameter leaves, model state leaves, batch leaves; outputs: loss, model state, count, gradients.
+        `micro_batch`: the micro-batch's avals (default: `prepare`'s example batch's)."""
+        micro_batch = self.micro_batch if micro_batch is None else micro_batch
+        return jax.make_jaxpr(self._grad_fn())(self.param_avals, self.stored_avals, micro_batch)
 
     # -- state ---------------------------------------------------------------
 
@@ -306,16 +322,21 @@ class DDPRun:
             self._local_grads,
             mesh=self.mesh,
             in_specs=(specs, P(), P(), self.batch_spec),
-            out_specs=(specs, P(), P()),
+            out_specs=(specs, P(), P(), P()),
             check_vma=False,
         )
         leaves = self.treedef.flatten_up_to(state.params)
-        grads, model_state, loss = body(leaves, state.model_state, state.step, batch)
+        grads, model_state, loss, count = body(leaves, state.model_state, state.step, batch)
+        grads = self.treedef.unflatten(grads)
+        if cfg.sum_and_count:  # from the mean over ranks and micro-batches of sums to the sum over the count
+            scale = cfg.dp * cfg.accumulation_steps / count
+            grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+            loss = loss * scale
         params, opt_state, norm, skipped = optimizer_step(
             self.optimizer,
             state.params,
             state.opt_state,
-            self.treedef.unflatten(grads),
+            grads,
             max_grad_norm=cfg.max_grad_norm,
             skip_nonfinite=cfg.skip_nonfinite,
         )
@@ -326,15 +347,18 @@ class DDPRun:
         return new, {"loss": loss, "grad_norm": norm, "skipped": skipped}
 
     def _local_grads(self, params: list, model_state, step, batch):
-        """This rank's `(reduced gradient leaves, model state after the step, mean loss)`: whole
-        gradients of replicated parameters, this rank's chunk of sharded ones."""
+        """This rank's `(reduced gradient leaves, model state after the step, mean loss, total count)`:
+        whole gradients of replicated parameters, this rank's chunk of sharded ones; the loss and the
+        gradients are means over ranks and micro-batches (of sums, with `sum_and_count`), the count is
+        over every rank and micro-batch."""
         cfg = self.cfg
         tok = comm.token()
         a = cfg.accumulation_steps
         stored = self.model_state.for_step(model_state, jax.lax.axis_index(cfg.axis), step)
         n_stored = len(jax.tree.leaves(stored))
         micro = jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), batch)
-        closed = self._grad_jaxpr()
+        # traced for this step's batch, which may differ in size from prepare's example
+        closed = self._grad_jaxpr(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), micro))
         n = len(self.param_avals)
         by_bucket = {i: self._bucket_of[i] for i in range(n)}
         gathered = {i: b for i, b in by_bucket.items() if self.layout.buckets[b].sharded}
@@ -349,28 +373,34 @@ class DDPRun:
         else:
             for i in gathered:
                 leaves[i] = LAZY
-        loss_sum = jnp.zeros((), jnp.float32)
+        loss_sum = count_sum = jnp.zeros((), jnp.float32)
         if a > 1:  # no_sync micro-batches: local gradients only, summed; the model state runs on through them
             grad_fn = self._grad_fn()
 
             def accumulate(carry, mb):
-                loss_sum, acc, stored = carry
-                (loss, stored), grads = grad_fn(leaves, stored, mb)
-                return (loss_sum + loss, [g + d for g, d in zip(acc, grads, strict=True)], stored), None
+                loss_sum, count_sum, acc, stored = carry
+                (loss, (stored, count)), grads = grad_fn(leaves, stored, mb)
+                acc = [g + d for g, d in zip(acc, grads, strict=True)]
+                return (loss_sum + loss, count_sum + count, acc, stored), None
 
             zeros = [jnp.zeros(x.shape, x.dtype) for x in self.param_avals]
             first = jax.tree.map(lambda x: x[:-1], micro)
-            (loss_sum, acc, stored), _ = jax.lax.scan(accumulate, (loss_sum, zeros, stored), first)
+            carry = (loss_sum, count_sum, zeros, stored)
+            (loss_sum, count_sum, acc, stored), _ = jax.lax.scan(accumulate, carry, first)
             sched.accumulated = acc
         last = jax.tree.map(lambda x: x[-1], micro)
         lazy = {i: b for i, b in gathered.items() if leaves[i] is LAZY}
-        first_grad = 1 + n_stored  # outputs: loss, model state, gradients
+        first_grad = 2 + n_stored  # outputs: loss, model state, count, gradients
         watch = {first_grad + i: b for i, b in by_bucket.items()}
         args = [*leaves, *jax.tree.leaves(stored), *jax.tree.leaves(last)]
         if not cfg.overlap_grad_reduce:
             watch = {}
         loss, *outs = eval_interleaved(closed, args, sched, lazy=lazy, watch=watch)
-        stored, grads = jax.tree.unflatten(jax.tree.structure(stored), outs[:n_stored]), outs[n_stored:]
+        stored, count, grads = (
+            jax.tree.unflatten(jax.tree.structure(stored), outs[:n_stored]),
+            outs[n_stored],
+            outs[n_stored + 1 :],
+        )
         if not cfg.overlap_grad_reduce:
             for b in range(len(self.layout)):
                 sched.ready(b, {first_grad + s.leaf: grads[s.leaf] for s in self.layout.buckets[b].slots})
@@ -379,8 +409,10 @@ class DDPRun:
             reduced.update(unpack_shard(bucket, flat, flat.dtype))  # local: slice, reshape, transpose
         loss = (loss_sum + loss.astype(jnp.float32)) / a
         loss, tok = comm.all_reduce(loss, cfg.axis, sched.tok, op="mean", backend=cfg.backend)
+        if cfg.sum_and_count:
+            count, tok = comm.all_reduce(count_sum + count, cfg.axis, tok, op="sum", backend=cfg.backend)
         new_model_state, _ = self.model_state.after_step(model_state, stored, cfg.axis, tok, cfg.backend)
-        return [reduced[i] for i in range(n)], new_model_state, loss
+        return [reduced[i] for i in range(n)], new_model_state, loss, count
 
 
 class _BucketSchedule(Schedule):
@@ -398,7 +430,7 @@ class _BucketSchedule(Schedule):
 
     def __init__(self, run: DDPRun, tok, chunks: list, gather_order, n_stored: int):
         self.cfg, self.layout = run.cfg, run.layout
-        self.first_grad = 1 + n_stored  # the index of the first gradient among the step's outputs
+        self.first_grad = 2 + n_stored  # the index of the first gradient among the step's outputs
         self.tok = tok
         self.chunks = chunks  # this rank's piece of every parameter (whole where replicated)
         self.accumulated = None

@@ -183,6 +183,10 @@ class Parallel:
             raise ValueError("Parallel: sequence_parallel needs a tp axis of size > 1")
         if self.sequence_dim is not None and not self.sequence_parallel:
             raise ValueError("Parallel: sequence_dim only applies with sequence_parallel=True; drop it or turn that on")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            # the clip scales gradients by max_grad_norm / norm: 0 would freeze training and a negative
+            # value reverse it, silently
+            raise ValueError(f"Parallel: max_grad_norm must be positive or None, got {self.max_grad_norm!r}")
         if self.update_in_backward and self.max_grad_norm is not None:
             raise ValueError(
                 "Parallel: update_in_backward updates each unit before the global gradient norm exists, so it cannot "
@@ -309,9 +313,7 @@ class ParallelRun:
         outer = [k for k, leaf in enumerate(self.leaves) if leaf.path[0] != units.blocks]
         n_data = int(np.prod([cfg._size(a) for a in cfg.data_axes]))
         self.n_data = n_data
-        self.local_batch = local_batch_avals(
-            batch, n_data, "Parallel", f"the {n_data} devices of the data axes {cfg.data_axes}; change the batch size"
-        )
+        self.local_batch = self._check_batch(batch)
         start = self.initial_model_state["outer"]
         embed = lambda ws, b: self._outer_apply(ws, start, lambda m: units.embed(m, b), bound=False)[0]
         x_aval = jax.eval_shape(embed, self._avals(outer, whole=True), self.local_batch)
@@ -319,8 +321,11 @@ class ParallelRun:
         zeros_x = lambda: jnp.zeros(x_aval.shape, x_aval.dtype)
         head = lambda ws, b: self._outer_apply(ws, start, lambda m: units.head_loss(m, zeros_x(), b), bound=False)[0]
         self.aux_specs = self._aux_specs(jax.eval_shape(head, self._avals(outer, whole=True), self.local_batch))
-        read_by_embed = self._reads(embed, outer)
-        read_by_head = self._reads(head, outer)
+        everything = range(len(self.leaves))
+        read_by_embed = self._reads(embed, everything)
+        read_by_head = self._reads(head, everything)
+        self._check_outer_reads(read_by_embed - set(outer), "embed")
+        self._check_outer_reads(read_by_head - set(outer), "head_loss")
         self.embed_leaves = [k for k in outer if k in read_by_embed]
         self.head_leaves = [k for k in outer if k in read_by_head or k not in read_by_embed]
         self.tied = [k for k in self.embed_leaves if k in self.head_leaves]
@@ -329,7 +334,26 @@ class ParallelRun:
             check_per_leaf(optimizer, pure, "Parallel")
         self.state = self._init_state(pure)
         self.opt_owners = owners(self.state.opt_state, self.state.params)
-        self.step = PlacedStep(self._step, self._sharding(self._batch_spec()))
+        self.step = PlacedStep(self._step, self._sharding(self._batch_spec()), check=self._check_batch)
+
+    def _check_batch(self, batch):
+        """One data rank's avals of a global `batch` (prepare's example or a step's); a batch that does
+        not split over the data axes raises, naming the fix."""
+        cfg = self.cfg
+        fix = f"the {self.n_data} devices of the data axes {cfg.data_axes}; change the batch size"
+        return local_batch_avals(batch, self.n_data, type(cfg).__name__, fix)
+
+    def _check_outer_reads(self, block_reads: set[int], unit: str) -> None:
+        """The embed and head units run on the outer parameters only (a block's parameters are gathered for
+        its own unit): one that reads a block's parameters would compute with zeros in their place."""
+        if block_reads:
+            names = ", ".join(self.leaves[k].name for k in sorted(block_reads)[:3])
+            names += " ..." if len(block_reads) > 3 else ""
+            raise ValueError(
+                f"Parallel: Units.{unit} reads parameters of the blocks ({names}); "
+                "the embed and head units see only the parameters outside the blocks. Run that module as a block "
+                "(or give the embed / head a module of its own), or use DDP, which has no units"
+            )
 
     # -- blocks and layout -----------------------------------------------------------
 

@@ -89,14 +89,15 @@ class ModelState:
         return self.pure_treedef.unflatten(leaves)
 
     def after_step(self, before: dict, after: dict, axes, token, backend: str | None = None):
-        """What the step stores: keys as they were (the fold is per step), batch statistics averaged over
-        the data `axes`, every other variable as the forward left it (the same on every rank)."""
+        """What the step stores: keys as they were (the fold is per step), floating batch statistics averaged
+        over the data `axes`, every other variable (an integer batch statistic such as a count of batches
+        seen included: no mean of it is an integer) as the forward left it (the same on every rank)."""
         out = []
         zipped = zip(jax.tree.leaves(before), jax.tree.leaves(after), self.key_impls, self.is_batch_stat, strict=True)
         for old, new, impl, batch_stat in zipped:
             if impl is not None:
                 new = old
-            elif batch_stat:
+            elif batch_stat and jnp.issubdtype(new.dtype, jnp.inexact):
                 new, token = comm.all_reduce(new, axes, token, op="mean", backend=backend)
             out.append(new)
         return self.pure_treedef.unflatten(out), token

@@ -190,19 +190,28 @@ class PipelineRun(ParallelRun):
                 "Pipelined: models with non-parameter variables (dropout RNG streams, batch statistics) are not "
                 "supported with a pipeline axis yet"
             )
-        m = cfg.microbatches
-        rows = jax.tree.leaves(self.local_batch)[0].shape[0]
+
+    def _check_batch(self, batch):
+        local = super()._check_batch(batch)
+        self._micro_avals(local)
+        return local
+
+    def _micro_avals(self, local):
+        """One micro-batch's avals of a data rank's batch `local`; rows that do not split raise."""
+        m = self.cfg.microbatches
+        rows = jax.tree.leaves(local)[0].shape[0]
         if rows % m:
             raise ValueError(
                 f"Pipelined: each data rank's {rows} rows do not split into microbatches={m}; change the batch "
                 "size or the micro-batch count"
             )
-        self.micro = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct((a.shape[0] // m, *a.shape[1:]), a.dtype), self.local_batch
-        )
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // m, *a.shape[1:]), a.dtype), local)
+
+    def _x_aval(self, micro):
+        """The activations' aval between stages for micro-batches of avals `micro`."""
         start = self.initial_model_state["outer"]
-        embed = lambda ws, b: self._outer_apply(ws, start, lambda mod: units.embed(mod, b), bound=False)[0]
-        self.x_aval = jax.eval_shape(embed, self._avals(self.embed_leaves, whole=True), self.micro)
+        embed = lambda ws, b: self._outer_apply(ws, start, lambda mod: self.units.embed(mod, b), bound=False)[0]
+        return jax.eval_shape(embed, self._avals(self.embed_leaves, whole=True), micro)
 
     # -- the per-device program ---------------------------------------------------------------
 
@@ -230,7 +239,9 @@ class PipelineRun(ParallelRun):
 
         embed = lambda ew, b: self._embed(ew, b, outer_in)[0]
         head = lambda hw, x, b: self._head(hw, x, b, outer_in)[0]
-        zeros_x = jnp.zeros(self.x_aval.shape, self.x_aval.dtype)
+        # this step's batch may differ in size from prepare's example: the activations' shape follows it
+        x_aval = self._x_aval(self._micro_avals(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)))
+        zeros_x = jnp.zeros(x_aval.shape, x_aval.dtype)
         seed = jnp.asarray(1.0 / m)  # the global batch mean is the mean of the micro-batch means
 
         def add(st, c, d_cw, d_ow=None, loss=None):
@@ -267,7 +278,7 @@ class PipelineRun(ParallelRun):
 
             return run
 
-        x_slots = lambda n: jnp.zeros((n, *self.x_aval.shape), self.x_aval.dtype)
+        x_slots = lambda n: jnp.zeros((n, *x_aval.shape), x_aval.dtype)
         st = {
             "acts": x_slots(plan.act_slots),
             "grads": x_slots(plan.grad_slots),

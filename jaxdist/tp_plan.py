@@ -361,8 +361,27 @@ class _NoBias:
         return getattr(self._module, name)
 
 
+def _check_features(self, x, whole: bool) -> None:
+    """A plan whose layers do not chain (a row layer fed whole activations, a column layer fed one
+    rank's features) is an error naming the layer, not a shape error inside its matmul."""
+    kernel = getattr(self, "kernel", None)
+    if getattr(kernel, "ndim", None) != 2 or not hasattr(x, "shape") or x.shape[-1] == kernel.shape[0]:
+        return  # (in, out) kernels only: a convolution's or an einsum's say less
+    size = self._jaxdist_tp.size
+    if whole:
+        want = "whole activations (as after a row layer, or gathered), not one rank's features"
+    else:
+        want = "this rank's 1/tp of the features, from a column layer (gather_output=False) before it"
+    raise ValueError(
+        f"TPPlan: {self._jaxdist_path} ({'column' if whole else 'row'} parallel) gets {x.shape[-1]} input "
+        f"features where its kernel piece takes {kernel.shape[0]} (tp={size}); its input must be {want}: "
+        "check the plan's column/row pairs"
+    )
+
+
 def _column_call(self, x, *args, **kwargs):
     b: Binding = self._jaxdist_tp
+    _check_features(self, x, whole=True)
     y = type(self).__mro__[1].__call__(self, b.enter(x), *args, **kwargs)
     if self._jaxdist_loss_parallel:
         return VocabShardedLogits(y, b)
@@ -371,6 +390,7 @@ def _column_call(self, x, *args, **kwargs):
 
 def _row_call(self, x, *args, **kwargs):
     b: Binding = self._jaxdist_tp
+    _check_features(self, x, whole=False)
     y = b.leave(type(self).__mro__[1].__call__(_NoBias(self), x, *args, **kwargs))
     bias = getattr(self, "bias", None)
     if bias is None:
@@ -414,6 +434,7 @@ def bind(module: nnx.Module, plan: TPPlan, binding: Binding, prefix: tuple = ())
         if placement is None or placement.kind == "replicated":
             continue
         object.__setattr__(sub, "_jaxdist_tp", binding)
+        object.__setattr__(sub, "_jaxdist_path", "/".join(map(str, full)))
         object.__setattr__(sub, "_jaxdist_gather", placement.gather_output)
         object.__setattr__(sub, "_jaxdist_loss_parallel", placement.loss_parallel)
         sub.__class__ = _bound_class(type(sub), placement.kind)
