@@ -1,6 +1,6 @@
 """A training run whose checkpoints' checksum pass (the last part of a save) takes SLOW_S seconds, so the
-final save is still in flight after the run's summary line (tests/test_hunt_ckpt_sigterm.py).
-Usage: python hunt_ckpt_slow_save_driver.py SLOW_S KEY=VALUE..."""
+final save is still in flight after the run's summary line (tests/test_review_ckpt_sigterm.py).
+Usage: python review_ckpt_slow_save_driver.py SLOW_S KEY=VALUE..."""
 
 import sys
 import time

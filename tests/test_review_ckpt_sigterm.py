@@ -12,7 +12,7 @@ from pathlib import Path
 from jaxdist.train.checkpoint import CHECKSUMS
 
 REPO = Path(__file__).resolve().parents[1]
-DRIVER = Path(__file__).with_name("hunt_ckpt_slow_save_driver.py")
+DRIVER = Path(__file__).with_name("review_ckpt_slow_save_driver.py")
 ARGS = [
     "model.flavor=tiny",
     "data.batch_size=16",

@@ -1,6 +1,6 @@
 """Adversarial models for the pipeline (`jaxdist.pipeline.Pipelined`) against one device.
 
-The models of tests/test_hunt_models_engine.py (sizes pp does not divide, scalar and size-1
+The models of tests/test_review_models_engine.py (sizes pp does not divide, scalar and size-1
 parameters, a weight tied between the embed on the first stage and the head on the last), SGD with
 momentum after an active global-norm clip, and the documented restrictions as clear errors.
 """
@@ -10,7 +10,7 @@ import optax
 import pytest
 from flax import nnx
 from meshes import cpu_mesh
-from test_hunt_models_engine import (
+from test_review_models_engine import (
     ODD_PLAN,
     ODD_UNITS,
     TIED_UNITS,
