@@ -23,3 +23,10 @@ def test_unusable_checkpoint_settings_are_refused_on_one_line(override, message)
 @pytest.mark.parametrize("override", ["run.keep_checkpoints=1", "run.checkpoint_every=-1", "run.checkpoint_every=0"])
 def test_the_documented_checkpoint_settings_are_accepted(override):
     validate(config_lib.load(None, [override]))
+
+
+@pytest.mark.parametrize("value", ["-1.0", "nan"])
+def test_a_negative_or_nan_max_grad_norm_is_refused_not_read_as_no_clipping(value):
+    with pytest.raises(ConfigError, match="optim.max_grad_norm must be >= 0 \\(0 disables clipping\\)"):
+        validate(config_lib.load(None, [f"optim.max_grad_norm={value}"]))
+    validate(config_lib.load(None, ["optim.max_grad_norm=0"]))  # the documented "no clipping"

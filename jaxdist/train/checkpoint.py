@@ -119,6 +119,11 @@ def _whole_file_crc(path: Path) -> int:
     return crc
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is the host or a device running out of memory (XLA says RESOURCE_EXHAUSTED)."""
+    return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
+
+
 def _first_line(e: BaseException) -> str:
     text = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
     return text.strip().splitlines()[0][:200]
@@ -257,6 +262,11 @@ class Checkpoints:
                 except ConfigError:
                     raise
                 except Exception as e:
+                    if _out_of_memory(e):  # says nothing about the checkpoint, which verified: keep it
+                        raise CheckpointError(
+                            f"reading checkpoint {self.directory / str(step)} ran out of memory ({_first_line(e)}); "
+                            "it is left in place: free memory (or restore onto more devices) and resume"
+                        ) from e
                     reason = _first_line(e)
             self._set_aside(step, reason)
         return None

@@ -196,6 +196,8 @@ def validate(cfg: TrainConfig) -> None:
     for name, value in positive:
         if value is not None and value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
+    if not cfg.optim.max_grad_norm >= 0:  # a negative value read as no clipping, silently; NaN too
+        raise ConfigError(f"optim.max_grad_norm must be >= 0 (0 disables clipping), got {cfg.optim.max_grad_norm}")
     if cfg.run.checkpoint_every < -1:  # -1 means none; anything lower read as none, silently
         raise ConfigError(
             f"run.checkpoint_every must be >= 1 (steps between checkpoints), 0 (only at the end) or -1 (none), "
