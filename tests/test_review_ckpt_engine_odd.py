@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 from meshes import cpu_mesh
 from test_engine import reference_run
+from test_review_ckpt_mlp import run_steps
 
 from jaxdist.ddp import DDP
 from jaxdist.engine import Parallel, Units
@@ -64,14 +65,6 @@ LAYOUTS = {
 
 def make_model():
     return Residual(nnx.Rngs(0))
-
-
-def run_steps(run, state, batches):
-    losses = []
-    for batch in batches:
-        state, metrics = run.step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return state, losses
 
 
 @pytest.fixture(scope="module")

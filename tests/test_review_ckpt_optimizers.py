@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from layouts import LAYOUTS, batches, make_model
+from test_canonical import trained
 from test_ddp import assert_params_close
 from test_engine import reference_run
 
@@ -24,14 +25,6 @@ from jaxdist.train.gpt import next_token_loss
 
 ADAFACTOR = optax.adafactor(1e-2, min_dim_size_to_factor=8)
 STEPS = 2
-
-
-def trained(layout: str, optimizer, data):
-    run = LAYOUTS[layout](make_model(), optimizer, data[0])
-    state = run.state
-    for batch in data:
-        state, _ = run.step(state, batch)
-    return run, state
 
 
 def assert_opt_matches(actual, expected):
