@@ -151,6 +151,7 @@ class Checkpoints:
         self._finishing: threading.Thread | None = None  # waits for orbax, then writes the checksums
         self._finish_error: BaseException | None = None
         self._quiet = _DropOrbaxLogs()
+        self._verified: set[int] = set()  # steps whose files matched their checksums (a resume reads twice)
 
     def latest(self) -> int | None:
         return self.manager.latest_step()
@@ -275,6 +276,8 @@ class Checkpoints:
         """None if `step`'s files match their checksums, else why not: decided by process 0 for all (it
         wrote the checksums; every process deciding alone, a transient read error on one would leave
         it alone in `_set_aside`'s barrier, and N processes would read every file N times)."""
+        if step in self._verified:  # the same on every process: each took process 0's verdict
+            return None
         reason = None
         if jax.process_index() == 0:
             try:
@@ -286,9 +289,12 @@ class Checkpoints:
 
             failed = bool(multihost_utils.broadcast_one_to_all(np.int32(reason is not None)))
             reason = (reason or "its files do not match their checksums (checked on process 0)") if failed else None
+        if reason is None:
+            self._verified.add(step)
         return reason
 
     def _set_aside(self, step: int, reason: str) -> None:
+        self._verified.discard(step)
         target = self.unreadable_dir / str(step)
         warn(
             f"checkpoint {self.directory / str(step)} is unreadable ({reason}); "
