@@ -33,7 +33,7 @@ from jaxdist.train.config import ConfigError, TrainConfig, validate
 from jaxdist.train.decay_mask import adamw, decay_mask
 from jaxdist.train.gpt import FLAVORS, GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for
 from jaxdist.train.launch import initialize_args
-from jaxdist.train.report import info, warn
+from jaxdist.train.report import info
 from jaxdist.train.step_watchdog import StepWatchdog, timeout_from
 
 # Datasheet dense bf16 peak, FLOP/s, by device kind: the MFU denominator of Megatron, torchtitan
@@ -315,9 +315,6 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     decay_steps = schedule_lib.decay_steps(cfg, meta, start)
     optimizer, schedule = make_optimizer(cfg, decay_steps)
     run = parallelize(cfg, mesh, model, optimizer, example)
-    if ckpt is not None and not hasattr(run, "canonical"):
-        warn("FSDP with parallel.update_in_backward=true has no canonical state yet: no checkpoints are read or saved")
-        ckpt, found = None, None
     state = run.state
     if found is not None:
         start, state = _restore_state(ckpt, start, run, model_meta)
