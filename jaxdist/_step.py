@@ -94,9 +94,9 @@ def optimizer_step(
     """
     leaves = jax.tree.leaves(grads)
     norm = jnp.sqrt(sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves), jnp.zeros((), jnp.float32)))
-    if max_grad_norm is not None:
-        scale = jnp.minimum(1.0, max_grad_norm / (norm + 1e-6))
-        grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+    if max_grad_norm is not None:  # optax.clip_by_global_norm's arithmetic: no epsilon, exact at any scale
+        clip = norm >= max_grad_norm
+        grads = jax.tree.map(lambda g: jnp.where(clip, g / norm * max_grad_norm, g).astype(g.dtype), grads)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, new_opt = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
