@@ -817,26 +817,24 @@ class ParallelRun:
             ws, tok = comm.tie(ws, tok)
             ws = self._in_compute_dtype(ws)  # before the gather: the collective moves the compute dtype
             sharded = [k for k in sorted(ws) if self._store_dim(k, ws[k]) is not None]
-            if not sharded:
-                return (None, ws), tok
-            flat = jnp.concatenate([ws[k].reshape(-1) for k in sharded])
-            h, tok = comm.all_gather_start(flat, axis, tok, tiled=False, backend=cfg.backend)
-            return (h, ws), tok
+            handles = []
+            for ks in by_dtype(sharded, ws):
+                flat = jnp.concatenate([ws[k].reshape(-1) for k in ks])
+                h, tok = comm.all_gather_start(flat, axis, tok, tiled=False, backend=cfg.backend)
+                handles.append((ks, h))
+            return (handles, ws), tok
 
         def gather_wait(handle, tok):
-            h, ws = handle
-            if h is None:
-                return ws, tok
-            stacked, tok = comm.wait(h, tok)  # (n, S): every storage rank's pieces
-            out, offset = dict(ws), 0
-            for k in sorted(ws):
-                dim = self._store_dim(k, ws[k])
-                if dim is None:
-                    continue
-                size = ws[k].size
-                part = stacked[:, offset : offset + size].reshape(stacked.shape[0], *ws[k].shape)
-                out[k] = jnp.concatenate(list(part), axis=dim) if stacked.shape[0] > 1 else part[0]
-                offset += size
+            handles, ws = handle
+            out = dict(ws)
+            for ks, h in handles:
+                stacked, tok = comm.wait(h, tok)  # (n, S): every storage rank's pieces
+                offset = 0
+                for k in ks:
+                    size = ws[k].size
+                    part = stacked[:, offset : offset + size].reshape(stacked.shape[0], *ws[k].shape)
+                    out[k] = jnp.concatenate(list(part), axis=self._store_dim(k, ws[k])) if len(part) > 1 else part[0]
+                    offset += size
             return out, tok
 
         def reduce_start(gs: dict, tok):
@@ -845,47 +843,46 @@ class ParallelRun:
             n = cfg._size(axis) if axis else 1
             sharded = [k for k in sorted(gs) if self._store_dim(k, gs[k]) is not None]
             rest = [k for k in sorted(gs) if self._store_dim(k, gs[k]) is None]
-            handles = [None, None]
-            if sharded:
+            scattered, reduced = [], []
+            for ks in by_dtype(sharded, gs):
                 chunks = []
-                for k in sharded:
+                for k in ks:
                     g, d = gs[k], self._store_dim(k, gs[k])
                     g = g.reshape(*g.shape[:d], n, g.shape[d] // n, *g.shape[d + 1 :])
                     chunks.append(jnp.moveaxis(g, d, 0).reshape(n, -1))
                 packed = jnp.concatenate(chunks, axis=1)
-                handles[0], tok = comm.reduce_scatter_start(packed, axis, tok, op="mean", backend=cfg.backend)
-            if rest and (axis or others):
-                flat = jnp.concatenate([gs[k].reshape(-1) for k in rest])
+                h, tok = comm.reduce_scatter_start(packed, axis, tok, op="mean", backend=cfg.backend)
+                scattered.append((ks, h))
+            if axis or others:
                 over = (axis, *others) if axis else others
                 over = over[0] if len(over) == 1 else over
-                handles[1], tok = comm.all_reduce_start(flat, over, tok, op="mean", backend=cfg.backend)
-            return (handles, gs), tok
+                for ks in by_dtype(rest, gs):
+                    flat = jnp.concatenate([gs[k].reshape(-1) for k in ks])
+                    h, tok = comm.all_reduce_start(flat, over, tok, op="mean", backend=cfg.backend)
+                    reduced.append((ks, h))
+            return (scattered, reduced, gs), tok
 
         def reduce_wait(handle, tok):
-            (scattered, reduced), gs = handle
+            scattered, reduced, gs = handle
             out = dict(gs)
-            if scattered is not None:
-                flat, tok = comm.wait(scattered, tok)
+            for ks, h in scattered:
+                flat, tok = comm.wait(h, tok)
                 flat = flat.reshape(-1)
                 if others:
                     flat, tok = comm.all_reduce(flat, _axes(others), tok, op="mean", backend=cfg.backend)
                 offset = 0
-                for k in sorted(gs):
-                    dim = self._store_dim(k, gs[k])
-                    if dim is None:
-                        continue
+                for k in ks:
                     shape = list(gs[k].shape)
-                    shape[dim] //= cfg._size(axis)
+                    shape[self._store_dim(k, gs[k])] //= cfg._size(axis)
                     size = int(np.prod(shape))
                     out[k] = flat[offset : offset + size].reshape(shape)
                     offset += size
-            if reduced is not None:
-                flat, tok = comm.wait(reduced, tok)
+            for ks, h in reduced:
+                flat, tok = comm.wait(h, tok)
                 offset = 0
-                for k in sorted(gs):
-                    if self._store_dim(k, gs[k]) is None:
-                        out[k] = flat[offset : offset + gs[k].size].reshape(gs[k].shape)
-                        offset += gs[k].size
+                for k in ks:
+                    out[k] = flat[offset : offset + gs[k].size].reshape(gs[k].shape)
+                    offset += gs[k].size
             return out, tok
 
         return (
@@ -1182,6 +1179,16 @@ class ParallelRun:
         """Sum of a unit's gathered weights, replicated pieces counted once over tp."""
         tp = self.cfg.tp
         return sum(jnp.sum(w.astype(jnp.float32)) / (tp if self.leaves[k].tp_dim is None else 1) for k, w in ws.items())
+
+
+def by_dtype(keys: list, arrays: dict) -> list[list]:
+    """`keys` (in their order) grouped by the dtype of `arrays[k]`, one group per dtype: each group is one
+    communication buffer, since a buffer concatenated from mixed dtypes would promote them all (a bfloat16
+    weight gathered, and computed with, as float32)."""
+    groups: dict = {}
+    for k in keys:
+        groups.setdefault(jnp.dtype(arrays[k].dtype), []).append(k)
+    return [groups[d] for d in sorted(groups, key=str)]
 
 
 def _fetch(op: AsyncOp, value, tok):

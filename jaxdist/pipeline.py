@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
 from jaxdist import pipeline_schedule as ps
-from jaxdist.engine import Parallel, ParallelRun, Units
+from jaxdist.engine import Parallel, ParallelRun, Units, by_dtype
 
 IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, B_LAST = range(7)
 
@@ -391,8 +391,7 @@ class PipelineRun(ParallelRun):
         pp = self.cfg.pp
         perm = [(q, (q + s) % pp) for q in range(pp)]
         out = [None] * len(parts)
-        for dtype in sorted({x.dtype for x in parts}, key=str):
-            idx = [i for i, x in enumerate(parts) if x.dtype == dtype]
+        for idx in by_dtype(list(range(len(parts))), dict(enumerate(parts))):
             flat = jnp.concatenate([parts[i].reshape(-1) for i in idx])
             got, tok = comm.sendrecv(flat, self.cfg.pp_axis, tok, perm=perm, backend=self.cfg.backend)
             offset = 0
@@ -454,8 +453,7 @@ class PipelineRun(ParallelRun):
 def _mean_over(tree: dict, axes, tok, backend):
     """`tree`'s arrays averaged over `axes`: one all-reduce per dtype."""
     out = dict(tree)
-    for dtype in sorted({x.dtype for x in tree.values()}, key=str):
-        keys = [k for k in sorted(tree) if tree[k].dtype == dtype]
+    for keys in by_dtype(sorted(tree), tree):
         flat = jnp.concatenate([tree[k].reshape(-1) for k in keys])
         flat, tok = comm.all_reduce(flat, axes, tok, op="mean", backend=backend)
         offset = 0
