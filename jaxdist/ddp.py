@@ -162,7 +162,7 @@ class DDPRun:
         self.mesh = jax.sharding.Mesh(
             cfg.mesh.devices, cfg.mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(cfg.mesh.axis_names)
         )
-        self.graphdef, params, rest = split_for_training(model)
+        self.graphdef, params, rest = split_for_training(model, "DDP")
         self.model_state = ModelState(rest)
         stored = self.model_state.store(rest)
         self.stored_avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), stored)
@@ -200,6 +200,10 @@ class DDPRun:
         params = self.treedef.unflatten(leaves)
         out, stored = self.model_state.apply(self.graphdef, params, stored, lambda model: self.loss_fn(model, batch))
         if not self.cfg.sum_and_count:
+            if not (hasattr(out, "shape") and out.shape == ()):
+                flag = "; for a (sum, count) pair pass sum_and_count=True" if isinstance(out, tuple) else ""
+                shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), out)
+                raise ValueError(f"DDP: loss_fn must return a scalar mean loss{flag}, got {shapes}")
             return out, (stored, jnp.ones((), jnp.float32))
         if not (isinstance(out, tuple) and len(out) == 2 and all(jnp.shape(x) == () for x in out)):
             raise ValueError(f"DDP: sum_and_count=True needs loss_fn to return (sum, count) scalars, got {out}")

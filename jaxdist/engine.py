@@ -50,7 +50,7 @@ from jaxdist._residuals import rebuild, weight_only, weight_only_values
 from jaxdist._step import PlacedStep, TrainState, local_batch_avals, optimizer_step
 from jaxdist._tp_grads import tp_summed
 from jaxdist.canonical import canonical_avals, check_canonical, mirror_map, with_shardings
-from jaxdist.model_state import ModelState, keep_if, training_copy
+from jaxdist.model_state import ModelState, keep_if, split_params, training_copy
 from jaxdist.per_leaf import check_per_leaf, owners
 from jaxdist.tp_plan import Binding, TPPlan, bind, from_storage, to_storage
 
@@ -167,7 +167,14 @@ class Parallel:
 
     def __post_init__(self):
         names = self.mesh.axis_names
-        unknown = [a for a in names if a not in self._known_axes()]
+        roles = self._axis_roles()
+        if len(set(roles.values())) < len(roles):
+            named = ", ".join(f"{role}={axis!r}" for role, axis in roles.items())
+            raise ValueError(
+                f"{type(self).__name__}: {named} name one axis twice; each role needs its own mesh axis (leave a "
+                "role's default name where the mesh has no such axis)"
+            )
+        unknown = [a for a in names if a not in roles.values()]
         if unknown:
             raise ValueError(
                 f"Parallel: mesh axes {unknown} are none of dp_axis={self.dp_axis!r}, fsdp_axis={self.fsdp_axis!r}, "
@@ -202,9 +209,9 @@ class Parallel:
     def skips_nonfinite(self) -> bool:
         return self.skip_nonfinite if self.skip_nonfinite is not None else not self.update_in_backward
 
-    def _known_axes(self) -> tuple[str, ...]:
-        """The mesh axes these options place work on (a subclass adding an axis extends it)."""
-        return (self.dp_axis, self.fsdp_axis, self.tp_axis)
+    def _axis_roles(self) -> dict[str, str]:
+        """The mesh axis of each role these options place work on (a subclass adding an axis extends it)."""
+        return {"dp_axis": self.dp_axis, "fsdp_axis": self.fsdp_axis, "tp_axis": self.tp_axis}
 
     def _size(self, axis: str) -> int:
         return self.mesh.shape[axis] if axis in self.mesh.axis_names else 1
@@ -286,7 +293,7 @@ class ParallelRun:
         self._split_blocks(model, units)
         if cfg.plan is not None and cfg.tp > 1:
             cfg.plan.check(model, cfg.tp, modules=self._plan_modules(model))
-        self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        self.graphdef, params, rest = split_params(model, type(cfg).__name__)
         self._split_model_state(rest, units)
         self.template = params
         pure = nnx.to_pure_dict(params)

@@ -82,6 +82,8 @@ class FSDP:
         for name in (self.axis, self.dp_axis):
             if name is not None and name not in self.mesh.axis_names:
                 raise ValueError(f"FSDP: axis {name!r} is not a mesh axis; the mesh has {self.mesh.axis_names}")
+        if self.dp_axis == self.axis:
+            raise ValueError(f"FSDP: dp_axis={self.dp_axis!r} is axis itself; the replica axis (HSDP) is another one")
         self.parallel()  # checks the options now, before anything is prepared
 
     def parallel(self) -> Parallel:

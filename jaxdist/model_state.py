@@ -33,9 +33,21 @@ def training_copy(model: nnx.Module) -> nnx.Module:
     return clone
 
 
-def split_for_training(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
-    """`(graphdef, params, rest)` of `model` in train mode."""
-    return nnx.split(training_copy(model), nnx.Param, ...)
+def split_params(model: nnx.Module, who: str) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """`(graphdef, params, rest)` of `model`; a model without an `nnx.Param` raises: a strategy would
+    run it and report a loss while training nothing (e.g. weights declared as `nnx.Variable`)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if not jax.tree.leaves(params):
+        raise ValueError(
+            f"{who}: the model has no nnx.Param, so nothing would train; declare the trained weights as "
+            "nnx.Param (an nnx.Variable is state the step carries but does not train)"
+        )
+    return graphdef, params, rest
+
+
+def split_for_training(model: nnx.Module, who: str) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """`(graphdef, params, rest)` of `model` in train mode (`split_params`)."""
+    return split_params(training_copy(model), who)
 
 
 def _is_key(x) -> bool:

@@ -85,8 +85,8 @@ class Pipelined(Parallel):
             )
         self.table()  # a table that cannot run is an error now, before anything is traced
 
-    def _known_axes(self) -> tuple[str, ...]:
-        return (*super()._known_axes(), self.pp_axis)
+    def _axis_roles(self) -> dict[str, str]:
+        return {**super()._axis_roles(), "pp_axis": self.pp_axis}
 
     @property
     def pp(self) -> int:
