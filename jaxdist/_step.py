@@ -93,7 +93,10 @@ def optimizer_step(
       `(params, opt_state, grad_norm, skipped)`.
     """
     leaves = jax.tree.leaves(grads)
-    norm = jnp.sqrt(sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves), jnp.zeros((), jnp.float32)))
+    # at least float32 (bfloat16 squares would overflow and round), float64 for float64 gradients (a float32
+    # norm would clip them at float32 precision)
+    dtype = jnp.result_type(jnp.float32, *(g.dtype for g in leaves))
+    norm = jnp.sqrt(sum((jnp.sum(jnp.square(g.astype(dtype))) for g in leaves), jnp.zeros((), dtype)))
     if max_grad_norm is not None:  # optax.clip_by_global_norm's arithmetic: no epsilon, exact at any scale
         clip = norm >= max_grad_norm
         grads = jax.tree.map(lambda g: jnp.where(clip, g / norm * max_grad_norm, g).astype(g.dtype), grads)
