@@ -361,27 +361,27 @@ class _NoBias:
         return getattr(self._module, name)
 
 
-def _check_features(self, x, whole: bool) -> None:
-    """A plan whose layers do not chain (a row layer fed whole activations, a column layer fed one
-    rank's features) is an error naming the layer, not a shape error inside its matmul."""
+def _check_features(self, x, kind: str) -> None:
+    """A plan whose layers do not chain (a row layer fed whole activations, a column or replicated layer
+    fed one rank's features) is an error naming the layer, not a shape error inside its matmul."""
     kernel = getattr(self, "kernel", None)
     if getattr(kernel, "ndim", None) != 2 or not hasattr(x, "shape") or x.shape[-1] == kernel.shape[0]:
         return  # (in, out) kernels only: a convolution's or an einsum's say less
     size = self._jaxdist_tp.size
-    if whole:
-        want = "whole activations (as after a row layer, or gathered), not one rank's features"
-    else:
+    if kind == "row":
         want = "this rank's 1/tp of the features, from a column layer (gather_output=False) before it"
+    else:
+        want = "whole activations (as after a row layer, or gathered), not one rank's features"
+    placed = "replicated: the plan places no rule on it" if kind == "replicated" else f"{kind} parallel"
     raise ValueError(
-        f"TPPlan: {self._jaxdist_path} ({'column' if whole else 'row'} parallel) gets {x.shape[-1]} input "
-        f"features where its kernel piece takes {kernel.shape[0]} (tp={size}); its input must be {want}: "
-        "check the plan's column/row pairs"
+        f"TPPlan: {self._jaxdist_path} ({placed}) gets {x.shape[-1]} input features where its kernel piece "
+        f"takes {kernel.shape[0]} (tp={size}); its input must be {want}: check the plan's column/row pairs"
     )
 
 
 def _column_call(self, x, *args, **kwargs):
     b: Binding = self._jaxdist_tp
-    _check_features(self, x, whole=True)
+    _check_features(self, x, "column")
     y = type(self).__mro__[1].__call__(self, b.enter(x), *args, **kwargs)
     if self._jaxdist_loss_parallel:
         return VocabShardedLogits(y, b)
@@ -390,12 +390,17 @@ def _column_call(self, x, *args, **kwargs):
 
 def _row_call(self, x, *args, **kwargs):
     b: Binding = self._jaxdist_tp
-    _check_features(self, x, whole=False)
+    _check_features(self, x, "row")
     y = b.leave(type(self).__mro__[1].__call__(_NoBias(self), x, *args, **kwargs))
     bias = getattr(self, "bias", None)
     if bias is None:
         return y
     return y + jnp.reshape(bias[...], (1,) * (y.ndim - 1) + (-1,)).astype(y.dtype)
+
+
+def _replicated_call(self, x, *args, **kwargs):
+    _check_features(self, x, "replicated")
+    return type(self).__mro__[1].__call__(self, x, *args, **kwargs)
 
 
 def _vocab_call(self, tokens, *args, **kwargs):
@@ -414,16 +419,20 @@ def _vocab_attend(self, query, *args, **kwargs):
 
 @functools.cache
 def _bound_class(cls: type, kind: str) -> type:
-    members = {"column": {"__call__": _column_call}, "row": {"__call__": _row_call}}.get(kind)
-    if kind == "vocab":
-        members = {"__call__": _vocab_call, "attend": _vocab_attend}
+    members = {
+        "column": {"__call__": _column_call},
+        "row": {"__call__": _row_call},
+        "replicated": {"__call__": _replicated_call},
+        "vocab": {"__call__": _vocab_call, "attend": _vocab_attend},
+    }[kind]
     return type(f"TP{kind.capitalize()}{cls.__name__}", (cls,), members)
 
 
 def bind(module: nnx.Module, plan: TPPlan, binding: Binding, prefix: tuple = ()) -> None:
     """Make the layers of a rank's local `module` (whose parameters are this rank's pieces) run
-    tensor parallel: matched layers get the plan's collectives around their own `__call__`, and
-    the plan's divided attributes are divided. `prefix` is `module`'s path in the whole model."""
+    tensor parallel: matched layers get the plan's collectives around their own `__call__`, the
+    replicated `nnx.Linear`s a check of their input's features, and the plan's divided attributes
+    are divided. `prefix` is `module`'s path in the whole model."""
     for path, sub in list(nnx.iter_graph(module)):
         if not isinstance(sub, nnx.Module):
             continue
@@ -431,10 +440,14 @@ def bind(module: nnx.Module, plan: TPPlan, binding: Binding, prefix: tuple = ())
         for attr in plan.divided(full):
             object.__setattr__(sub, attr, getattr(sub, attr) // binding.size)
         placement = plan.placement(full)
-        if placement is None or placement.kind == "replicated":
+        replicated = placement is None or placement.kind == "replicated"
+        if replicated and not isinstance(sub, nnx.Linear):
             continue
         object.__setattr__(sub, "_jaxdist_tp", binding)
         object.__setattr__(sub, "_jaxdist_path", "/".join(map(str, full)))
+        if replicated:  # checked only: a replicated linear layer fed one rank's features (a column without its row)
+            sub.__class__ = _bound_class(type(sub), "replicated")
+            continue
         object.__setattr__(sub, "_jaxdist_gather", placement.gather_output)
         object.__setattr__(sub, "_jaxdist_loss_parallel", placement.loss_parallel)
         sub.__class__ = _bound_class(type(sub), placement.kind)

@@ -1,6 +1,6 @@
 """Bad input to the strategies' public API raises one clear error naming the problem and the fix,
 before anything runs: a model with nothing to train, a DDP loss that is not a scalar, one mesh axis
-named for two roles."""
+named for two roles, a tp plan with a column layer but no row layer after it."""
 
 import jax.numpy as jnp
 import optax
@@ -9,6 +9,7 @@ from flax import nnx
 from meshes import cpu_mesh
 from test_review_models_engine import ODD_UNITS, OddMLP, odd_batches, odd_loss
 
+from jaxdist import tp_plan
 from jaxdist.ddp import DDP
 from jaxdist.engine import Parallel, Units
 from jaxdist.fsdp import FSDP
@@ -78,3 +79,13 @@ def test_one_mesh_axis_named_for_two_roles_is_a_clear_error():
         FSDP(mesh, axis="x", dp_axis="x")
     run = Parallel(mesh, fsdp_axis="x").prepare(OddMLP(nnx.Rngs(0)), optax.sgd(0.1), ODD_UNITS, BATCH)
     assert run.cfg.storage_axis == "x"  # one role on a renamed axis is fine
+
+
+def test_a_column_layer_without_its_row_is_a_clear_error():
+    """A plan placing `up` column but nothing on `down`: the replicated `down` gets one rank's features.
+    Before: "dot_general requires contracting dimensions to have the same shape" from inside the model."""
+    plan = tp_plan.TPPlan({"layers/*/up": tp_plan.column()})
+    strategy = Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=plan)
+    match = r"TPPlan: layers/0/down \(replicated: the plan places no rule on it\) gets 3 input features .* \(tp=2\)"
+    with pytest.raises(ValueError, match=match):
+        strategy.prepare(OddMLP(nnx.Rngs(0), hidden=6, d=8), optax.sgd(0.1), ODD_UNITS, BATCH)
