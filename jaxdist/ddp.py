@@ -75,7 +75,8 @@ class DDP:
       average_in_collective: True reduces with "mean"; False scales the
         gradients by 1/dp first and reduces with "sum" (Megatron's two choices).
       reduce_dtype: dtype the gradients are reduced in (e.g. float32 for
-        bfloat16 parameters); default the parameter dtype.
+        bfloat16 parameters), and with accumulation summed over micro-batches
+        in where it is wider than the parameters'; default the parameter dtype.
       accumulation_steps: micro-batches per step; only the last one reduces.
         The gradient is the mean over micro-batches (the gradient of the
         whole batch's mean loss), so lr, clipping and `grad_norm` mean the
@@ -387,7 +388,10 @@ class DDPRun:
                 acc = [g + d for g, d in zip(acc, grads, strict=True)]
                 return (loss_sum + loss, count_sum + count, acc, stored), None
 
-            zeros = [jnp.zeros(x.shape, x.dtype) for x in self.param_avals]
+            # summed in the reduction's dtype where it is the wider (float32 for bfloat16 parameters): a
+            # bfloat16 sum of micro-batches would lose what reducing in float32 keeps
+            wide = lambda dtype: jnp.promote_types(dtype, cfg.reduce_dtype or dtype)
+            zeros = [jnp.zeros(x.shape, wide(x.dtype)) for x in self.param_avals]
             first = jax.tree.map(lambda x: x[:-1], micro)
             carry = (loss_sum, count_sum, zeros, stored)
             (loss_sum, count_sum, acc, stored), _ = jax.lax.scan(accumulate, carry, first)
