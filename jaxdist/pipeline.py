@@ -279,11 +279,14 @@ class PipelineRun(ParallelRun):
             return run
 
         x_slots = lambda n: jnp.zeros((n, *x_aval.shape), x_aval.dtype)
+        # micro-batch gradients summed in reduce_dtype where it is the wider (float32 for bfloat16 compute):
+        # a bfloat16 sum would lose what reducing in float32 keeps
+        summed = lambda dtype: jnp.promote_types(dtype, cfg.reduce_dtype or dtype)
         st = {
             "acts": x_slots(plan.act_slots),
             "grads": x_slots(plan.grad_slots),
-            "dw": {k: jnp.zeros((v, *chunks[k].shape[1:]), chunks[k].dtype) for k in template},
-            "douter": {k: jnp.zeros_like(w[k]) for k in outer_keys},
+            "dw": {k: jnp.zeros((v, *chunks[k].shape[1:]), summed(chunks[k].dtype)) for k in template},
+            "douter": {k: jnp.zeros(w[k].shape, summed(w[k].dtype)) for k in outer_keys},
             "loss": jnp.zeros((), jnp.float32),
         }
         # one traced tick, scanned over the table's rows; a tick's communication is one of the table's
@@ -302,9 +305,10 @@ class PipelineRun(ParallelRun):
             return run
 
         def average_stages(st, tok):
-            """The rank's stage gradients averaged over the data axes (one all-reduce per dtype)."""
-            dw, tok = _mean_over(st["dw"], data_axes, tok, cfg.backend)
-            return {**st, "dw": dw}, tok
+            """The rank's stage gradients averaged over the data axes in reduce_dtype (one all-reduce per dtype)."""
+            dw = {k: x.astype(cfg.reduce_dtype or x.dtype) for k, x in st["dw"].items()}
+            dw, tok = _mean_over(dw, data_axes, tok, cfg.backend)
+            return {**st, "dw": {k: x.astype(st["dw"][k].dtype) for k, x in dw.items()}}, tok
 
         def tick(carry, row):
             st, tok = carry

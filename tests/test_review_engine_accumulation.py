@@ -1,8 +1,10 @@
-"""DDP gradient accumulation of bfloat16 parameters with `reduce_dtype=float32` (reduce in float32 to
-keep the gradient's precision): the micro-batches' gradients were summed in bfloat16 before the
-float32 reduction, so the step's gradient lost what the float32 reduction keeps (its norm 2.4e-4
-off, where float32 is exact to 1e-8). Compared with float64 numpy: each rank's micro-batch gradient
-as one device computes it in bfloat16, widened and averaged."""
+"""Micro-batches of bfloat16 gradients with `reduce_dtype=float32` (reduce in float32 to keep the
+gradient's precision): DDP's accumulation (bfloat16 parameters) and the pipeline's micro-batches
+(`compute_dtype=bfloat16`) summed them in bfloat16 before the float32 reduction, and the pipeline
+also averaged its stage gradients over the data ranks in bfloat16, so the step's gradient lost what
+the float32 reduction keeps (norms 2.4e-4 and 3.9e-4 off, where float32 is exact to 1e-8).
+Compared with float64 numpy: each rank's micro-batch gradient as one device computes it in
+bfloat16, widened and averaged."""
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +13,10 @@ import optax
 import pytest
 from flax import nnx
 from meshes import cpu_mesh
+from test_review_models_engine import ODD_UNITS, OddMLP, odd_batches, odd_loss
 
 from jaxdist.ddp import DDP
+from jaxdist.pipeline import Pipelined
 
 DP, MICRO = 2, 8
 
@@ -33,15 +37,18 @@ def batch(seed=0):
     return {"x": rng.normal(size=(64, 8)).astype(np.float32), "y": rng.normal(size=(64, 4)).astype(np.float32)}
 
 
-def reference_norm(global_batch) -> float:
-    """The norm of the mean, in float64, of every (rank, micro-batch)'s bfloat16 gradient."""
-    graphdef, params, rest = nnx.split(Bf16MLP(nnx.Rngs(0)), nnx.Param, ...)
-    grad = jax.jit(jax.grad(lambda p, b: loss(nnx.merge(graphdef, p, rest), b)))
+def reference_norm(model, loss_fn, global_batch, ranks: int, micro: int) -> float:
+    """The norm of the mean, in float64, of every (rank, micro-batch)'s gradient on one device, its
+    parameters cast to bfloat16 (a bfloat16 gradient, widened by the cast's transpose where they are
+    float32)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    half = lambda p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
+    grad = jax.jit(jax.grad(lambda p, b: loss_fn(nnx.merge(graphdef, half(p), rest), b)))
     grads = []
-    for local in (jax.tree.map(lambda x, r=r: np.split(x, DP)[r], global_batch) for r in range(DP)):
-        for j in range(MICRO):
-            micro = jax.tree.map(lambda x, j=j: np.split(x, MICRO)[j], local)
-            grads.append([np.asarray(g, np.float64) for g in jax.tree.leaves(grad(params, micro))])
+    for local in (jax.tree.map(lambda x, r=r: np.split(x, ranks)[r], global_batch) for r in range(ranks)):
+        for j in range(micro):
+            part = jax.tree.map(lambda x, j=j: np.split(x, micro)[j], local)
+            grads.append([np.asarray(g, np.float64) for g in jax.tree.leaves(grad(params, part))])
     mean = [sum(gs) / len(gs) for gs in zip(*grads, strict=True)]
     return float(np.sqrt(sum(np.sum(g**2) for g in mean)))
 
@@ -52,4 +59,16 @@ def test_accumulated_bfloat16_gradients_reduced_in_float32_keep_float32_precisio
     strategy = DDP(cpu_mesh((DP,), ("dp",)), zero1=zero1, accumulation_steps=MICRO, reduce_dtype=jnp.float32)
     run = strategy.prepare(Bf16MLP(nnx.Rngs(0)), optax.sgd(0.1), loss, data)
     _, metrics = run.step(run.state, data)
-    np.testing.assert_allclose(float(metrics["grad_norm"]), reference_norm(data), rtol=2e-6)
+    want = reference_norm(Bf16MLP(nnx.Rngs(0)), loss, data, DP, MICRO)
+    np.testing.assert_allclose(float(metrics["grad_norm"]), want, rtol=2e-6)
+
+
+def test_pipeline_microbatches_of_bfloat16_compute_reduced_in_float32_keep_float32_precision():
+    data = odd_batches(1, rows=64)[0]
+    make = lambda: OddMLP(nnx.Rngs(0), layers=4)
+    strategy = Pipelined(
+        cpu_mesh((2, 4), ("pp", "dp")), microbatches=4, compute_dtype=jnp.bfloat16, reduce_dtype=jnp.float32
+    )
+    run = strategy.prepare(make(), optax.sgd(0.1), ODD_UNITS, data)
+    _, metrics = run.step(run.state, data)
+    np.testing.assert_allclose(float(metrics["grad_norm"]), reference_norm(make(), odd_loss, data, 4, 4), rtol=2e-6)
