@@ -1,10 +1,12 @@
-"""Micro-batches of bfloat16 gradients with `reduce_dtype=float32` (reduce in float32 to keep the
-gradient's precision): DDP's accumulation (bfloat16 parameters) and the pipeline's micro-batches
-(`compute_dtype=bfloat16`) summed them in bfloat16 before the float32 reduction, and the pipeline
-also averaged its stage gradients over the data ranks in bfloat16, so the step's gradient lost what
-the float32 reduction keeps (norms 2.4e-4 and 3.9e-4 off, where float32 is exact to 1e-8).
-Compared with float64 numpy: each rank's micro-batch gradient as one device computes it in
-bfloat16, widened and averaged."""
+"""Gradients of bfloat16 reduced as the options say, checked against float64 numpy of the gradients
+one device computes in bfloat16.
+
+With `reduce_dtype=float32` (reduce in float32 to keep the gradient's precision), DDP's accumulation
+(bfloat16 parameters) and the pipeline's micro-batches (`compute_dtype=bfloat16`) summed the
+micro-batch gradients in bfloat16 before the float32 reduction, and the pipeline also averaged its
+stage gradients over the data ranks in bfloat16 (norms 2.4e-4 and 3.9e-4 off, where float32 is
+exact to 1e-8). DDP's `average_in_collective=False` pre-scaled by 1/dp rounded to bfloat16.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -72,3 +74,18 @@ def test_pipeline_microbatches_of_bfloat16_compute_reduced_in_float32_keep_float
     run = strategy.prepare(make(), optax.sgd(0.1), ODD_UNITS, data)
     _, metrics = run.step(run.state, data)
     np.testing.assert_allclose(float(metrics["grad_norm"]), reference_norm(make(), odd_loss, data, 4, 4), rtol=2e-6)
+
+
+def test_ddp_pre_scaling_by_one_over_dp_adds_no_bias_in_bfloat16():
+    """`average_in_collective=False` scales by 1/dp, then sums. 1/3 rounded to bfloat16 (0.33398) scaled
+    every gradient up by the same 0.14% (grad_norm +1.4e-3); scaled in float32 and rounded once, the
+    error is bfloat16 rounding (1.5e-4 here, as the mean in the collective's 1.9e-4). Every rank holds
+    the same rows, so the mean over ranks is one rank's gradient: one device's on those rows."""
+    rng = np.random.default_rng(0)
+    rows = {"x": rng.normal(size=(8, 8)).astype(np.float32), "y": rng.normal(size=(8, 4)).astype(np.float32)}
+    data = jax.tree.map(lambda x: np.concatenate([x] * 3), rows)
+    want = reference_norm(Bf16MLP(nnx.Rngs(0)), loss, rows, 1, 1)
+    strategy = DDP(cpu_mesh((3,), ("dp",)), average_in_collective=False)
+    run = strategy.prepare(Bf16MLP(nnx.Rngs(0)), optax.sgd(0.1), loss, data)
+    _, metrics = run.step(run.state, data)
+    np.testing.assert_allclose(float(metrics["grad_norm"]), want, rtol=5e-4)
