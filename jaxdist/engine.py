@@ -817,24 +817,33 @@ class ParallelRun:
         cfg = self.cfg
         axis = cfg.storage_axis
         others = tuple(a for a in cfg.data_axes if a != axis)
+        over = (axis, *others) if axis else others  # what a piece kept whole over the storage axis is reduced over
+
+        def buffers(arrays: dict, sharded: bool) -> list[list]:
+            """The keys of the pieces sharded over the storage axis (or of those kept whole, when there is
+            something to reduce them over), one group per dtype: each group is one communication buffer.
+            The wait recomputes them from the values its handle carries, so a handle holds arrays only."""
+            if not sharded and not over:
+                return []
+            keys = [k for k in sorted(arrays) if (self._store_dim(k, arrays[k]) is not None) == sharded]
+            return by_dtype(keys, arrays)
 
         def gather_start(ws: dict, tok):
             # pieces tied first: a unit gathered again for backward packs its own copy, which XLA cannot
             # merge (CSE) with the forward's and keep alive from forward to backward
             ws, tok = comm.tie(ws, tok)
             ws = self._in_compute_dtype(ws)  # before the gather: the collective moves the compute dtype
-            sharded = [k for k in sorted(ws) if self._store_dim(k, ws[k]) is not None]
             handles = []
-            for ks in by_dtype(sharded, ws):
+            for ks in buffers(ws, sharded=True):
                 flat = jnp.concatenate([ws[k].reshape(-1) for k in ks])
                 h, tok = comm.all_gather_start(flat, axis, tok, tiled=False, backend=cfg.backend)
-                handles.append((ks, h))
+                handles.append(h)
             return (handles, ws), tok
 
         def gather_wait(handle, tok):
             handles, ws = handle
             out = dict(ws)
-            for ks, h in handles:
+            for ks, h in zip(buffers(ws, sharded=True), handles, strict=True):
                 stacked, tok = comm.wait(h, tok)  # (n, S): every storage rank's pieces
                 offset = 0
                 for k in ks:
@@ -848,10 +857,8 @@ class ParallelRun:
             if cfg.reduce_dtype is not None:
                 gs = {k: g.astype(cfg.reduce_dtype) for k, g in gs.items()}
             n = cfg._size(axis) if axis else 1
-            sharded = [k for k in sorted(gs) if self._store_dim(k, gs[k]) is not None]
-            rest = [k for k in sorted(gs) if self._store_dim(k, gs[k]) is None]
             scattered, reduced = [], []
-            for ks in by_dtype(sharded, gs):
+            for ks in buffers(gs, sharded=True):
                 chunks = []
                 for k in ks:
                     g, d = gs[k], self._store_dim(k, gs[k])
@@ -859,20 +866,17 @@ class ParallelRun:
                     chunks.append(jnp.moveaxis(g, d, 0).reshape(n, -1))
                 packed = jnp.concatenate(chunks, axis=1)
                 h, tok = comm.reduce_scatter_start(packed, axis, tok, op="mean", backend=cfg.backend)
-                scattered.append((ks, h))
-            if axis or others:
-                over = (axis, *others) if axis else others
-                over = over[0] if len(over) == 1 else over
-                for ks in by_dtype(rest, gs):
-                    flat = jnp.concatenate([gs[k].reshape(-1) for k in ks])
-                    h, tok = comm.all_reduce_start(flat, over, tok, op="mean", backend=cfg.backend)
-                    reduced.append((ks, h))
+                scattered.append(h)
+            for ks in buffers(gs, sharded=False):
+                flat = jnp.concatenate([gs[k].reshape(-1) for k in ks])
+                h, tok = comm.all_reduce_start(flat, _axes(over), tok, op="mean", backend=cfg.backend)
+                reduced.append(h)
             return (scattered, reduced, gs), tok
 
         def reduce_wait(handle, tok):
             scattered, reduced, gs = handle
             out = dict(gs)
-            for ks, h in scattered:
+            for ks, h in zip(buffers(gs, sharded=True), scattered, strict=True):
                 flat, tok = comm.wait(h, tok)
                 flat = flat.reshape(-1)
                 if others:
@@ -884,7 +888,7 @@ class ParallelRun:
                     size = int(np.prod(shape))
                     out[k] = flat[offset : offset + size].reshape(shape)
                     offset += size
-            for ks, h in reduced:
+            for ks, h in zip(buffers(gs, sharded=False), reduced, strict=True):
                 flat, tok = comm.wait(h, tok)
                 offset = 0
                 for k in ks:
