@@ -84,8 +84,9 @@ def optimizer_step(
     Args:
       optimizer: the optax transformation.
       params, opt_state: the current parameters and optimizer state.
-      grads: the reduced gradients, shaped like `params` (in the reduction's dtype: the norm and
-        the clip are taken in it, then each is cast to its parameter's dtype).
+      grads: the reduced gradients, shaped like `params`, in the reduction's dtype: the norm is
+        taken in float32, the clip in the wider of that dtype and the parameter's, then each
+        gradient is cast to its parameter's dtype.
       max_grad_norm: clip the gradients to this global L2 norm (None: no clip).
       skip_nonfinite: keep parameters and optimizer state when the norm is NaN/Inf.
 
@@ -94,10 +95,14 @@ def optimizer_step(
     """
     leaves = jax.tree.leaves(grads)
     norm = jnp.sqrt(sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves), jnp.zeros((), jnp.float32)))
-    if max_grad_norm is not None:
-        scale = jnp.minimum(1.0, max_grad_norm / (norm + 1e-6))
-        grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    scale = None if max_grad_norm is None else jnp.minimum(1.0, max_grad_norm / (norm + 1e-6))
+
+    def to_param_dtype(g, p):  # clipped in the wider of the two dtypes: a bfloat16 reduction is not rounded twice
+        if scale is not None:
+            g = g.astype(jnp.promote_types(g.dtype, p.dtype)) * scale.astype(jnp.promote_types(g.dtype, p.dtype))
+        return g.astype(p.dtype)
+
+    grads = jax.tree.map(to_param_dtype, grads, params)
     updates, new_opt = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     skipped = jnp.zeros((), jnp.bool_)
