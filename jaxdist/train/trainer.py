@@ -117,6 +117,7 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
 
     p, o = cfg.parallel, cfg.optim
     clip = o.max_grad_norm if o.max_grad_norm > 0 else None
+    comm_dtype = _comm_dtype(cfg)
     if o.accumulation_steps > 1 and (p.tp > 1 or p.fsdp > 1):
         raise ConfigError("optim.accumulation_steps > 1 works with DDP only; set it to 1 or use fsdp=tp=1")
     if p.backend not in ("xla", "nccl"):
@@ -140,6 +141,7 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
             remat=_remat_option(p.remat),
             buffers=p.buffers,
             prefetch=p.buffers - 1,
+            compute_dtype=comm_dtype,
             max_grad_norm=clip,
             backend=p.backend,
         )
@@ -153,6 +155,7 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
             prefetch=p.buffers - 1,
             update_in_backward=p.update_in_backward,
             remat=_remat_option(p.remat),
+            compute_dtype=comm_dtype,
             max_grad_norm=None if p.update_in_backward else clip,
             skip_nonfinite=not p.update_in_backward,
             backend=p.backend,
@@ -168,10 +171,17 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
         zero1=p.zero1,
         bucket_bytes=int(p.bucket_mb * 2**20),
         accumulation_steps=o.accumulation_steps,
+        reduce_dtype=comm_dtype,  # the parameters stay whole in their dtype: ZeRO-1 gathers the master copy
         max_grad_norm=clip,
         backend=p.backend,
     )
     return strategy.prepare(model, optimizer, next_token_loss, batch)
+
+
+def _comm_dtype(cfg: TrainConfig) -> np.dtype | None:
+    """`parallel.comm_dtype` as the strategies' option: compute is model.dtype (the cast the model makes at
+    use, made before the collective instead), param is None (the parameters' own dtype)."""
+    return jnp.dtype(cfg.model.dtype) if cfg.parallel.comm_dtype == "compute" else None
 
 
 def _remat_option(value: bool | str) -> bool | None:
@@ -190,12 +200,14 @@ def _pipelined(cfg: TrainConfig, mesh, model: GPT, optimizer, batch, clip):
             raise ConfigError(f"parallel.{key} does not work with parallel.pp > 1 yet; set it to {str(off).lower()}")
     if cfg.optim.accumulation_steps > 1:
         raise ConfigError("optim.accumulation_steps > 1 works with DDP only; parallel.microbatches splits a pp step")
+    comm_dtype = _comm_dtype(cfg)
     try:
         strategy = Pipelined(
             mesh,
             plan=tp_plan_for(model.cfg) if p.tp > 1 else None,
             zero1=p.zero1,
             remat=_remat_option(p.remat),
+            compute_dtype=comm_dtype,
             max_grad_norm=clip,
             backend=p.backend,
             microbatches=p.microbatches,
