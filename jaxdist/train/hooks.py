@@ -18,7 +18,8 @@ from jaxdist.train import data as data_lib
 from jaxdist.train.config import ConfigError, TrainConfig
 from jaxdist.train.evaluate import Evaluator
 from jaxdist.train.gpt import GPT, GPTConfig
-from jaxdist.train.shards import Loader, ShardData, load_tokenizer
+from jaxdist.train.report import warn
+from jaxdist.train.shards import Loader, ShardData, data_changes, load_tokenizer
 
 __all__ = ["Loader", "source", "evaluator", "check_same_data", "print_sample"]
 
@@ -46,10 +47,11 @@ def evaluator(cfg: TrainConfig, model: GPTConfig, out_dir: Path, sharding) -> Ev
 
 
 def check_same_data(meta: dict, data) -> None:
-    """Batches are a function of (seed, step, data): say so when a checkpoint was made on other data."""
+    """Batches are a function of (seed, step, data): say so when a checkpoint was made on other data
+    (by content: the same data moved elsewhere is the same data)."""
     saved = meta.get("data")
-    if saved is not None and saved != data.state() and jax.process_index() == 0:
-        print(f"jaxdist: the data changed since the checkpoint ({saved} -> {data.state()}); batches differ from before")
+    if saved is not None and (changes := data_changes(saved, data.state())):
+        warn(f"the data changed since the checkpoint ({'; '.join(changes)}); batches differ from before")
 
 
 def print_sample(cfg: TrainConfig, model: GPT, data) -> None:

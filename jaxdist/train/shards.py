@@ -12,6 +12,7 @@ process reads only the rows of the global batch its devices hold.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from collections.abc import Iterator, Sequence
@@ -33,6 +34,23 @@ def read_index(directory: str | Path) -> dict:
     if index.get("format") != prepare_lib.FORMAT:
         raise ValueError(f"{path} is not a {prepare_lib.FORMAT} index; prepare the data again")
     return index
+
+
+# what index.json records about where things were (the inputs' paths, a tokenizer file's path), not what the data is
+_WHERE_KEYS = ("tokenizer_source",)
+
+
+def content_id(directory: str | Path) -> str:
+    """SHA-256 of what a data directory holds, wherever it lies: its index without the paths it records
+    (preparing is deterministic from the inputs' contents, which the index records by SHA-256, and the
+    options) and its tokenizer file. Moving or copying the directory keeps it; other data changes it."""
+    index = {k: v for k, v in read_index(directory).items() if k not in _WHERE_KEYS}
+    index["inputs"] = [{k: v for k, v in f.items() if k != "path"} for f in index.get("inputs", [])]
+    digest = hashlib.sha256(json.dumps(index, sort_keys=True).encode())
+    tokenizer_file = Path(directory) / tokenize.TOKENIZER_FILE
+    if tokenizer_file.is_file():
+        digest.update(tokenizer_file.read_bytes())
+    return digest.hexdigest()
 
 
 def load_tokenizer(directory: str | Path):
@@ -123,8 +141,21 @@ class ShardData:
         )
 
     def state(self) -> dict:
-        """What the batches depend on besides the step (saved with checkpoints, checked on resume)."""
-        return {"dir": str(self.directory.absolute()), "rows": len(self.windows), "tokens": len(self.windows.tokens)}
+        """What the batches depend on besides the step (saved with checkpoints, checked on resume by
+        `same_data`): the data's content, not where it lies ("dir" only says where it was read)."""
+        return {
+            "dir": str(self.directory.absolute()),
+            "rows": len(self.windows),
+            "tokens": len(self.windows.tokens),
+            "content": content_id(self.directory),
+        }
+
+
+def data_changes(saved: dict, now: dict) -> list[str]:
+    """The keys of a checkpoint's data state (`state()`) whose values differ now, as "key: old -> new".
+    The directory is left out (moved data is the same data); a key an older jaxdist did not record
+    ("content") is not compared."""
+    return [f"{k}: {saved[k]} -> {now.get(k)}" for k in sorted(saved) if k != "dir" and saved[k] != now.get(k)]
 
 
 class StepData:
