@@ -1,5 +1,6 @@
 """A checkpoint recognises its data by content, not by where it lies: the same shards moved to another
-directory resume without a "data changed" warning; other data of the same size is still reported."""
+directory resume without a "data changed" warning (and `jaxdist sample --data` finds the moved tokenizer);
+other data of the same size is still reported."""
 
 import shutil
 
@@ -9,6 +10,7 @@ from jaxdist.train import config as config_lib
 from jaxdist.train.data import CORPUS
 from jaxdist.train.hooks import check_same_data
 from jaxdist.train.prepare import prepare
+from jaxdist.train.sample import load_run
 from jaxdist.train.shards import ShardData
 from jaxdist.train.trainer import train
 
@@ -30,6 +32,9 @@ def test_moving_the_data_and_resuming_gives_no_data_changed_warning(prepared, tm
     over = ["data.source=shards", f"run.out_dir={out}"]
     first = train(config_lib.load(None, [*BASE, *over, f"data.path={prepared}"]), stop_after=1)
     moved = shutil.move(prepared, tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match=f"data directory {prepared} the run trained on .* is gone; give where"):
+        load_run(out)  # `jaxdist sample` needs the data's tokenizer: it says how to point at the moved data
+    assert load_run(out, moved)[1].vocab_size == 256
     capfd.readouterr()
     resumed = train(config_lib.load(None, [*BASE, *over, f"data.path={moved}"]))
     said = "".join(capfd.readouterr())

@@ -175,6 +175,8 @@ def prepare(
         raise ValueError("give --tokenizer FILE or --train-bpe VOCAB, not both")
     if shard_tokens < 1:
         raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give the directory to write (one that does not exist or is empty)")
     if out.exists() and any(out.iterdir()) and not replace:
         raise ValueError(f"{out} exists and is not empty; remove it or choose another --out")
     files = _inputs(inputs)
@@ -185,7 +187,10 @@ def prepare(
 
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise ValueError(f"cannot write {out} ({e.strerror}); choose an --out you can write to") from None
     try:
         writers = {split: ShardWriter(tmp, split, dtype, shard_tokens) for split in SPLITS}
         bar = _bar(sum(sizes), progress)

@@ -58,6 +58,18 @@ def load_tokenizer(directory: str | Path):
     return tokenize.load(directory, read_index(directory)["tokenizer"])
 
 
+def _open_shard(path: Path, dtype: np.dtype, tokens: int) -> np.memmap:
+    """The shard `path` memory-mapped, checked to hold the `tokens` its index records."""
+    size = path.stat().st_size if path.is_file() else None
+    if size != tokens * dtype.itemsize:
+        have = "is missing" if size is None else f"has {size} bytes"
+        raise ValueError(
+            f"shard {path} {have}, the index says {tokens} {dtype.name} tokens ({tokens * dtype.itemsize} bytes); "
+            "the data directory is damaged: prepare it again with jaxdist prepare-data"
+        )
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
 class TokenShards:
     """One split of a data directory as one random-access token array over memory-mapped shards."""
 
@@ -66,10 +78,7 @@ class TokenShards:
         index = read_index(directory)
         dtype = np.dtype(index["dtype"]).newbyteorder("<")
         shards = [s for s in index["splits"][split]["shards"] if s["tokens"]]
-        self.maps = [np.memmap(self.directory / s["file"], dtype=dtype, mode="r") for s in shards]
-        for m, s in zip(self.maps, shards, strict=True):
-            if len(m) != s["tokens"]:
-                raise ValueError(f"{self.directory / s['file']} has {len(m)} tokens, the index says {s['tokens']}")
+        self.maps = [_open_shard(self.directory / s["file"], dtype, s["tokens"]) for s in shards]
         self.starts = np.cumsum([0] + [len(m) for m in self.maps])
 
     def __len__(self) -> int:

@@ -1,0 +1,39 @@
+"""Bad data directories and `jaxdist prepare-data` destinations: one-line errors naming the fix, no traceback."""
+
+import pytest
+
+from jaxdist.train import config as config_lib
+from jaxdist.train.cli import main
+from jaxdist.train.config import ConfigError
+from jaxdist.train.data import CORPUS
+from jaxdist.train.prepare import prepare
+from jaxdist.train.trainer import train
+
+BASE = ["model.flavor=tiny", "data.batch_size=8", "run.progress=false", "run.steps=1", "data.source=shards"]
+
+
+@pytest.mark.parametrize("where", ["a file", "below a file"])
+def test_prepare_data_into_a_file_is_a_one_line_error(tmp_path, capfd, where):
+    blocker = tmp_path / "taken"
+    blocker.write_text("not a directory")
+    out = blocker if where == "a file" else blocker / "data"
+    assert main(["prepare-data", str(CORPUS), "--out", str(out), "--quiet"]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jaxdist prepare-data: error: ")
+    assert ("is a file; give the directory" if where == "a file" else "choose an --out you can write to") in err
+
+
+@pytest.mark.parametrize("damage", ["missing", "cut mid-token"])
+def test_a_damaged_shard_stops_training_on_one_line_naming_the_shard(tmp_path, damage):
+    prepare([CORPUS], tmp_path / "d", shard_tokens=2000, progress=False)
+    shard = tmp_path / "d" / "train-00001.bin"
+    if damage == "missing":
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:-1])
+    cfg = config_lib.load(None, [*BASE, f"data.path={tmp_path / 'd'}", f"run.out_dir={tmp_path / 'run'}"])
+    with pytest.raises(
+        ConfigError, match="shard .*train-00001.bin (is missing|has 3999 bytes), the index says 2000"
+    ) as e:
+        train(cfg)
+    assert "\n" not in str(e.value) and str(e.value).endswith("prepare it again with jaxdist prepare-data")

@@ -1,0 +1,84 @@
+"""Sampling edge cases: top-k by index (top_k=1 is greedy even when logits tie), only ids the tokenizer has,
+and bad prompts or temperatures refused on one line instead of generating from garbage."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxdist.train import sample
+from jaxdist.train.gpt import GPT, GPTConfig
+from jaxdist.train.sample import Generator, sample_text
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return GPT(CFG, nnx.Rngs(4))
+
+
+def _picks(logits, temperature, top_k, vocab, seeds=range(40)):
+    logits = jnp.asarray([logits], jnp.float32)
+    return {int(sample._pick(logits, jax.random.key(s), jnp.float32(temperature), top_k, vocab)[0]) for s in seeds}
+
+
+def test_top_k_keeps_exactly_k_ids_when_logits_tie():
+    tied = [1.0, 3.0, 3.0, 3.0, 0.0]
+    assert _picks(tied, 1.0, 1, 5) == {1}  # the greedy pick (argmax takes the first of the tied)
+    assert _picks(tied, 1.0, 2, 5) == {1, 2}
+    assert _picks(tied, 0.0, 0, 5) == {1}
+
+
+def test_only_ids_below_the_tokenizers_vocabulary_are_drawn_and_greedy_is_their_argmax(model):
+    prompt = np.asarray([3, 1, 4, 1, 5])
+    drawn = Generator(model, vocab_size=10).generate(prompt, 30, temperature=20.0, seed=1)
+    assert drawn.max() < 10 and len(set(drawn.tolist())) > 3
+    # reference: the full forward's logits, argmax over the first 10 ids, one token at a time
+    forward, ids = nnx.jit(lambda m, t: m(t)), list(prompt)
+    for _ in range(8):
+        context = np.zeros((1, CFG.seq_len), np.int32)  # padded at the end: causal, so it changes nothing
+        context[0, : len(ids)] = ids
+        logits = np.asarray(forward(model, jnp.asarray(context)))[0, len(ids) - 1]
+        ids.append(int(np.argmax(logits[:10])))
+    greedy = Generator(model, vocab_size=10).generate(prompt, 8, temperature=0.0)
+    assert greedy.tolist() == ids[len(prompt) :]
+
+
+class _TenTokens:
+    """A tokenizer of 10 tokens for a model of 64: decoding an id it does not have is an error."""
+
+    vocab_size, end_of_text = 10, None
+
+    def encode(self, text):
+        return np.asarray([ord(c) % 10 for c in text], np.int32)
+
+    def decode(self, ids):
+        assert all(0 <= int(t) < 10 for t in ids), f"drew ids the tokenizer does not have: {list(ids)}"
+        return "".join(str(int(t)) for t in ids)
+
+
+def test_sample_text_draws_within_the_tokenizers_vocabulary(model):
+    text = sample_text(model, _TenTokens(), "ab", 25, temperature=20.0, seed=0)
+    assert text.startswith("ab") and len(text) == 27
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        (np.asarray([1, 64]), "prompt token 64 is not an id of the model's vocabulary \\(0 to 63\\)"),
+        (np.asarray([-1, 2]), "prompt token -1 is not an id"),
+    ],
+)
+def test_a_prompt_outside_the_vocabulary_is_refused(model, prompt, match):
+    with pytest.raises(ValueError, match=match) as e:
+        Generator(model).generate(prompt, 2)
+    assert "\n" not in str(e.value)
+
+
+def test_a_prompt_of_words_for_a_run_without_tokenizer_and_a_nan_temperature_are_refused(model):
+    with pytest.raises(ValueError, match="no tokenizer .*give --prompt as token ids, e.g. '3 14 15', not 'hello'"):
+        sample_text(model, None, "hello", 2)
+    with pytest.raises(ValueError, match="--temperature must be finite and >= 0, got 0 and nan"):
+        sample_text(model, None, "1 2", 2, temperature=float("nan"))
