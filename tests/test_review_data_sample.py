@@ -82,3 +82,34 @@ def test_a_prompt_of_words_for_a_run_without_tokenizer_and_a_nan_temperature_are
         sample_text(model, None, "hello", 2)
     with pytest.raises(ValueError, match="--temperature must be finite and >= 0, got 0 and nan"):
         sample_text(model, None, "1 2", 2, temperature=float("nan"))
+
+
+def _saved_run(run_dir, steps=(1, 2)):
+    """A run directory with a checkpoint per step of CFG's parameters (each step's model seeded by the step),
+    as the trainer records them."""
+    import dataclasses
+
+    from jaxdist.train.checkpoint import Checkpoints
+
+    ckpt = Checkpoints(run_dir, keep=5)
+    meta = {"model": {k: str(v) if "dtype" in k else v for k, v in dataclasses.asdict(CFG).items()}}
+    for step in steps:
+        params = nnx.to_pure_dict(nnx.state(GPT(CFG, nnx.Rngs(step)), nnx.Param))
+        ckpt.save(step, {"params": params}, meta)
+    ckpt.close()
+    return ckpt.directory
+
+
+def test_sampling_never_reads_a_corrupt_newest_checkpoint(tmp_path, capfd):
+    from jaxdist.train.sample import load_run
+
+    directory = _saved_run(tmp_path)
+    data = max((p for p in (directory / "2").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x40  # one flipped bit in a parameter: orbax alone reads it back as a wrong value
+    data.write_bytes(bytes(raw))
+    model, tokenizer, step = load_run(tmp_path)
+    assert step == 1 and tokenizer is None
+    expected = nnx.state(GPT(CFG, nnx.Rngs(1)), nnx.Param)
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(model, nnx.Param), expected)
+    assert "checkpoints/2 is unreadable" in capfd.readouterr().err

@@ -118,24 +118,21 @@ def model_config(meta_model: dict) -> GPTConfig:
 def load_run(run_dir: str | Path, data_dir: str | Path | None = None):
     """(model with the newest checkpoint's parameters, tokenizer or None, step) of a training run; the
     tokenizer is that of `data_dir`, by default the data directory the checkpoint was trained on."""
-    from jaxdist.train.checkpoint import Checkpoints
+    from jaxdist.train.checkpoint import CheckpointError
+    from jaxdist.train.export import read_params
     from jaxdist.train.shards import load_tokenizer
 
     run_dir = Path(run_dir)
     if not (run_dir / "checkpoints").is_dir():
         raise ValueError(f"{run_dir} has no checkpoints; give the run.out_dir of a training run")
-    ckpt = Checkpoints(run_dir, keep=1)
-    try:
-        step = ckpt.latest()
-        if step is None:
-            raise ValueError(f"{run_dir / 'checkpoints'} holds no finished checkpoint; train the run first")
-        meta = ckpt.meta(step)
-        model = GPT(model_config(meta["model"]), nnx.Rngs(0))
-        params = nnx.state(model, nnx.Param)
-        nnx.replace_by_pure_dict(params, ckpt.restore_params(step))  # only the parameters are read
-        nnx.update(model, params)
-    finally:
-        ckpt.close()
+    try:  # the newest checkpoint that verifies against its checksums, as a resume reads
+        step, meta, saved = read_params(run_dir)
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None
+    model = GPT(model_config(meta["model"]), nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(params, saved)  # only the parameters are read
+    nnx.update(model, params)
     trained_on = (meta.get("data") or {}).get("dir")
     if data_dir is None and trained_on and not Path(trained_on).is_dir():
         raise ValueError(
