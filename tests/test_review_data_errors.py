@@ -37,3 +37,28 @@ def test_a_damaged_shard_stops_training_on_one_line_naming_the_shard(tmp_path, d
     ) as e:
         train(cfg)
     assert "\n" not in str(e.value) and str(e.value).endswith("prepare it again with jaxdist prepare-data")
+
+
+def test_a_text_run_with_no_validation_text_names_the_config_key(tmp_path):
+    over = ["data.source=text", "data.val_fraction=0.0", "run.eval_every=1", f"run.out_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match="the val split of .* has 0 tokens.*; raise data.val_fraction") as e:
+        train(config_lib.load(None, [*BASE, *over]))
+    assert "\n" not in str(e.value)
+
+
+def test_text_prepared_on_the_fly_is_reused_after_the_text_file_moves(tmp_path, monkeypatch):
+    from jaxdist.train import prepare as prepare_lib
+
+    text = tmp_path / "a.txt"
+    text.write_bytes(CORPUS.read_bytes())
+    prepare_lib.ensure_prepared([text], tmp_path / "data", tokenizer="bytes", val_fraction=0.1, progress=False)
+    moved = text.rename(tmp_path / "b.txt")
+
+    def prepare_again(*args, **kwargs):
+        raise AssertionError("the same text, moved, was tokenized again")
+
+    monkeypatch.setattr(prepare_lib, "prepare", prepare_again)
+    prepare_lib.ensure_prepared([moved], tmp_path / "data", tokenizer="bytes", val_fraction=0.1, progress=False)
+    moved.write_bytes(CORPUS.read_bytes()[:-10])  # other text: prepared again
+    with pytest.raises(AssertionError, match="tokenized again"):
+        prepare_lib.ensure_prepared([moved], tmp_path / "data", tokenizer="bytes", val_fraction=0.1, progress=False)

@@ -270,10 +270,13 @@ def ensure_prepared(
     spec = "bytes" if train_bpe else tokenizer
     files = _inputs(inputs)
     source = f"bpe:{train_bpe}" if train_bpe else (spec if spec == "bytes" else str(Path(spec).absolute()))
-    wanted = {"inputs": source_record(files), "tokenizer_source": source, "val_fraction": val_fraction}
+    # the inputs by content: the same text moved or renamed prepares the same shards, so they are reused
+    contents = lambda inputs: [{k: v for k, v in f.items() if k != "path"} for f in inputs]
+    wanted = {"inputs": contents(source_record(files)), "tokenizer_source": source, "val_fraction": val_fraction}
     index_path = out / INDEX
     if index_path.is_file():
         index = json.loads(index_path.read_text())
+        index["inputs"] = contents(index.get("inputs", []))
         if all(index.get(k) == v for k, v in wanted.items()):
             return out
     prepare(files, out, tokenizer=spec, train_bpe=train_bpe, val_fraction=val_fraction, progress=progress, replace=True)

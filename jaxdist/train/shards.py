@@ -130,7 +130,11 @@ class ShardData:
         self.width = seq_len + 1
         if len(self.windows) == 0:
             have = len(self.windows.tokens)
-            fix = "raise --val-fraction when preparing" if split == "val" else "give more text"
+            fix = (
+                "raise data.val_fraction (or --val-fraction of jaxdist prepare-data)"
+                if split == "val"
+                else "give more text"
+            )
             raise ValueError(f"the {split} split of {directory} has {have} tokens, fewer than seq_len + 1; {fix}")
 
     def samples(self) -> grain.MapDataset:
