@@ -21,7 +21,7 @@ from jaxdist.train.gpt import GPT, GPTConfig
 from jaxdist.train.report import warn
 from jaxdist.train.shards import Loader, ShardData, data_changes, load_tokenizer
 
-__all__ = ["Loader", "source", "evaluator", "check_same_data", "print_sample"]
+__all__ = ["Loader", "source", "evaluator", "check_same_data", "samples_before", "print_sample"]
 
 
 def source(cfg: TrainConfig, split: str, model: GPTConfig, out_dir: Path):
@@ -52,6 +52,16 @@ def check_same_data(meta: dict, data) -> None:
     saved = meta.get("data")
     if saved is not None and (changes := data_changes(saved, data.state())):
         warn(f"the data changed since the checkpoint ({'; '.join(changes)}); batches differ from before")
+
+
+def samples_before(meta: dict | None, step: int, batch_size: int) -> int:
+    """How many samples of the data stream the steps before `step` read, by the checkpoint of `step` (its
+    record, or its config's batch size for a checkpoint of an older jaxdist); 0 for a new run."""
+    if meta is None:
+        return 0
+    if "data_samples" in meta:
+        return meta["data_samples"]
+    return step * ((meta.get("config") or {}).get("data") or {}).get("batch_size", batch_size)
 
 
 def print_sample(cfg: TrainConfig, model: GPT, data) -> None:

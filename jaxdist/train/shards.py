@@ -5,9 +5,10 @@ split is the `seq_len + 1` tokens starting at r * stride. The global batch of
 step s holds samples s*B .. s*B + B - 1 of an endless stream in which epoch e is
 a permutation of all rows seeded by (seed, e) (grain's `shuffle` then `repeat`).
 So a batch depends only on (seed, step) and the data, never on what was read
-before: the loader's whole state is the step number, a resumed run continues
-exactly where it stopped, and it does so for any process count, because each
-process reads only the rows of the global batch its devices hold.
+before: the loader's whole state is the step number (and, after a resume with
+another batch size, the sample the stream continues from: an offset), a resumed
+run continues exactly where it stopped, and it does so for any process count,
+because each process reads only the rows of the global batch its devices hold.
 """
 
 from __future__ import annotations
@@ -146,16 +147,17 @@ class ShardData:
             rows = rows.shuffle(seed=(self.seed * 0x9E3779B1 + 1) % 2**32)
         return rows.repeat()
 
-    def dataset(self, batch_size: int, rows: Sequence[int]) -> grain.MapDataset:
-        """Element s: {"tokens": the given `rows` of global batch s}, shape (len(rows), seq_len + 1)."""
+    def dataset(self, batch_size: int, rows: Sequence[int], offset: int = 0) -> grain.MapDataset:
+        """Element s: {"tokens": the given `rows` of global batch s}, shape (len(rows), seq_len + 1): samples
+        offset + s * batch_size + row of the stream (a run resumed with another batch size shifts them)."""
         samples, rows = self.samples(), list(rows)
         return grain.MapDataset.range(0, sys.maxsize).map(
-            lambda step: {"tokens": np.stack([samples[step * batch_size + r] for r in rows])}
+            lambda step: {"tokens": np.stack([samples[offset + step * batch_size + r] for r in rows])}
         )
 
     def state(self) -> dict:
         """What the batches depend on besides the step (saved with checkpoints, checked on resume by
-        `same_data`): the data's content, not where it lies ("dir" only says where it was read)."""
+        `data_changes`): the data's content, not where it lies ("dir" only says where it was read)."""
         return {
             "dir": str(self.directory.absolute()),
             "rows": len(self.windows),
@@ -177,7 +179,9 @@ class StepData:
     def __init__(self, source):
         self.source, self.width = source, source.seq_len + 1
 
-    def dataset(self, batch_size: int, rows: Sequence[int]) -> grain.MapDataset:
+    def dataset(self, batch_size: int, rows: Sequence[int], offset: int = 0) -> grain.MapDataset:
+        """Element s: the given `rows` of `source.batch(s)`: drawn afresh for each step, whatever the batch
+        size, so `offset` (where a stream of samples would continue) has nothing to shift."""
         rows = np.asarray(rows)
         return grain.MapDataset.range(0, sys.maxsize).map(
             lambda step: {k: v[rows] for k, v in self.source.batch(step, batch_size).items()}
@@ -197,14 +201,15 @@ class Loader:
         self.rows = device_rows(sharding, self.shape, sharding.addressable_devices)
         self.position = {row: i for i, row in enumerate(self.rows)}
 
-    def local_batches(self, start: int) -> Iterator[dict]:
-        """This process's rows of the batches of steps start, start + 1, ... (numpy, prefetched)."""
-        dataset = self.data.dataset(self.batch_size, self.rows)[start:]
+    def local_batches(self, start: int, offset: int = 0) -> Iterator[dict]:
+        """This process's rows of the batches of steps start, start + 1, ... (numpy, prefetched); `offset`
+        shifts the samples (see `ShardData.dataset`)."""
+        dataset = self.data.dataset(self.batch_size, self.rows, offset)[start:]
         return iter(dataset.to_iter_dataset(self.read_options))
 
-    def batches(self, start: int) -> Iterator[dict]:
+    def batches(self, start: int, offset: int = 0) -> Iterator[dict]:
         """The global batches of steps start, start + 1, ... as sharded jax.Arrays."""
-        for local in self.local_batches(start):
+        for local in self.local_batches(start, offset):
             yield self.place(local)
 
     def place(self, local: dict) -> dict:
