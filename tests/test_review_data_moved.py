@@ -63,3 +63,10 @@ def test_the_same_data_copied_or_moved_is_the_same_and_so_is_an_older_checkpoint
     assert "".join(capfd.readouterr()) == ""
     check_same_data({"data": {"source": "SyntheticData"}}, _data(copy))  # another kind of data altogether
     assert "the data changed" in capfd.readouterr().err
+
+
+def test_another_seed_is_other_batches_and_is_reported(prepared, capfd):
+    saved = _data(prepared).state()
+    check_same_data({"data": saved}, ShardData(prepared, "train", seq_len=32, seed=1, stride=32, shuffle=True))
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "the data changed since the checkpoint (seed: 0 -> 1)" in err

@@ -163,6 +163,7 @@ class ShardData:
             "rows": len(self.windows),
             "tokens": len(self.windows.tokens),
             "content": content_id(self.directory),
+            "seed": self.seed,  # the order of the rows
         }
 
 
@@ -188,7 +189,7 @@ class StepData:
         )
 
     def state(self) -> dict:
-        return {"source": type(self.source).__name__}
+        return {"source": type(self.source).__name__, "seed": self.source.seed}
 
 
 class Loader:
