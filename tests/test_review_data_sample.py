@@ -113,3 +113,16 @@ def test_sampling_never_reads_a_corrupt_newest_checkpoint(tmp_path, capfd):
     expected = nnx.state(GPT(CFG, nnx.Rngs(1)), nnx.Param)
     jax.tree.map(np.testing.assert_array_equal, nnx.state(model, nnx.Param), expected)
     assert "checkpoints/2 is unreadable" in capfd.readouterr().err
+
+
+def test_a_sample_prompt_the_run_cannot_use_is_refused_before_training(tmp_path):
+    from jaxdist.train import config as config_lib
+    from jaxdist.train.config import ConfigError
+    from jaxdist.train.trainer import train
+
+    over = ["data.source=synthetic", "run.sample_tokens=5", "run.sample_prompt=hello", f"run.out_dir={tmp_path}"]
+    cfg = config_lib.load(None, ["model.flavor=tiny", "data.batch_size=8", "run.steps=1", *over])
+    with pytest.raises(ConfigError, match="no tokenizer .*give run.sample_prompt as token ids") as e:
+        train(cfg)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "metrics.jsonl").exists()  # nothing trained

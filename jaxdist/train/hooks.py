@@ -2,8 +2,9 @@
 
 `source` builds the configured data, `Loader` reads it (jaxdist.train.shards),
 `evaluator` gives the validation loss when `run.eval_every` asks for it,
-`check_same_data` warns when a resumed run's data changed, and `print_sample`
-ends a run with generated text.
+`check_same_data` warns when a resumed run's data changed, `samples_before` says
+where a resumed run's data stream continues, and `print_sample` ends a run with
+generated text (`check_sample_prompt` refuses its prompt before training).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from jaxdist.train.gpt import GPT, GPTConfig
 from jaxdist.train.report import warn
 from jaxdist.train.shards import Loader, ShardData, data_changes, load_tokenizer
 
-__all__ = ["Loader", "source", "evaluator", "check_same_data", "samples_before", "print_sample"]
+__all__ = ["Loader", "source", "evaluator", "check_same_data", "samples_before", "check_sample_prompt", "print_sample"]
 
 
 def source(cfg: TrainConfig, split: str, model: GPTConfig, out_dir: Path):
@@ -62,6 +63,19 @@ def samples_before(meta: dict | None, step: int, batch_size: int) -> int:
     if "data_samples" in meta:
         return meta["data_samples"]
     return step * ((meta.get("config") or {}).get("data") or {}).get("batch_size", batch_size)
+
+
+def check_sample_prompt(cfg: TrainConfig, model: GPTConfig, data) -> None:
+    """Refuse a run.sample_prompt the end-of-run sample could not use now, not after training."""
+    if cfg.run.sample_tokens <= 0:
+        return
+    from jaxdist.train.sample import prompt_ids
+
+    tokenizer = load_tokenizer(data.directory) if isinstance(data, ShardData) else None
+    try:
+        prompt_ids(tokenizer, cfg.run.sample_prompt, model.vocab_size, option="run.sample_prompt")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def print_sample(cfg: TrainConfig, model: GPT, data) -> None:

@@ -144,21 +144,37 @@ def load_run(run_dir: str | Path, data_dir: str | Path | None = None):
     return model, tokenizer, step
 
 
-def sample_text(model: GPT, tokenizer, prompt: str, tokens: int, **options) -> str:
-    """The prompt followed by `tokens` generated ones, as text (token ids where there is no tokenizer)."""
+def prompt_ids(tokenizer, prompt: str, vocab_size: int, option: str = "--prompt") -> np.ndarray:
+    """The token ids of `prompt`: encoded by `tokenizer`, or read as ids ("3 14 15") for a run without one
+    (synthetic data); an empty prompt starts at a document boundary. Bad prompts raise a one-line
+    ValueError naming `option`, the setting to change."""
     if tokenizer is None:
         try:
-            ids = [int(t) for t in prompt.split()] or [0]
+            ids = np.asarray([int(t) for t in prompt.split()] or [0])
         except ValueError:
             raise ValueError(
-                f"this run has no tokenizer (synthetic data): give --prompt as token ids, e.g. '3 14 15', "
+                f"this run has no tokenizer (synthetic data): give {option} as token ids, e.g. '3 14 15', "
                 f"not {prompt!r}"
             ) from None
-        return " ".join(map(str, [*ids, *Generator(model).generate(np.asarray(ids), tokens, **options)]))
-    ids = tokenizer.encode(prompt)
-    if ids.size == 0:
-        ids = np.asarray([tokenizer.end_of_text if tokenizer.end_of_text is not None else tokenizer.encode("\n")[0]])
-        prompt = ""
+    else:
+        ids = tokenizer.encode(prompt)
+        if ids.size == 0:
+            eot = tokenizer.end_of_text
+            ids = np.asarray([eot if eot is not None else tokenizer.encode("\n")[0]])
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if outside.size:
+        raise ValueError(
+            f"{option} token {outside[0]} is not an id of the model's vocabulary (0 to {vocab_size - 1}); "
+            "give ids in that range"
+        )
+    return ids
+
+
+def sample_text(model: GPT, tokenizer, prompt: str, tokens: int, **options) -> str:
+    """The prompt followed by `tokens` generated ones, as text (token ids where there is no tokenizer)."""
+    ids = prompt_ids(tokenizer, prompt, model.cfg.vocab_size)
+    if tokenizer is None:
+        return " ".join(map(str, [*ids.tolist(), *Generator(model).generate(ids, tokens, **options).tolist()]))
     return prompt + tokenizer.decode(Generator(model, tokenizer.vocab_size).generate(ids, tokens, **options))
 
 

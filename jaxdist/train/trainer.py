@@ -282,6 +282,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     mcfg = model_config(cfg)
     out_dir = run_dir.prepare(cfg.run)
     source = hooks.source(cfg, "train", mcfg, out_dir)
+    hooks.check_sample_prompt(cfg, mcfg, source)
     batch_axes = tuple(n for n in mesh.axis_names if n not in ("tp", "pp"))
     batch_sharding = NamedSharding(mesh, P(batch_axes))
     n_batch = int(np.prod([mesh.shape[a] for a in batch_axes])) * cfg.optim.accumulation_steps
