@@ -77,6 +77,13 @@ def test_a_prompt_outside_the_vocabulary_is_refused(model, prompt, match):
     assert "\n" not in str(e.value)
 
 
+def test_a_negative_count_and_a_seed_past_64_bits_are_refused(model):
+    with pytest.raises(ValueError, match="--tokens must be >= 0 and --seed a 64-bit integer, got -1 and 0"):
+        Generator(model).generate(np.asarray([1]), -1)
+    with pytest.raises(ValueError, match="--seed a 64-bit integer, got 2 and 18446744073709551616"):
+        Generator(model).generate(np.asarray([1]), 2, seed=2**64)
+
+
 def test_a_prompt_of_words_for_a_run_without_tokenizer_and_a_nan_temperature_are_refused(model):
     with pytest.raises(ValueError, match="no tokenizer .*give --prompt as token ids, e.g. '3 14 15', not 'hello'"):
         sample_text(model, None, "hello", 2)

@@ -81,6 +81,8 @@ class Generator:
         # NaN would fail both tests below and sample greedily without a word
         if top_k < 0 or not (np.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"--top-k and --temperature must be finite and >= 0, got {top_k} and {temperature}")
+        if tokens < 0 or not -(2**63) <= seed < 2**63:
+            raise ValueError(f"--tokens must be >= 0 and --seed a 64-bit integer, got {tokens} and {seed}")
         prompt = prompt.astype(np.int32)
         top_k = min(top_k, self.vocab_size)
         ids = list(prompt.tolist())
