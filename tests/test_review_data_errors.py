@@ -62,3 +62,16 @@ def test_text_prepared_on_the_fly_is_reused_after_the_text_file_moves(tmp_path, 
     moved.write_bytes(CORPUS.read_bytes()[:-10])  # other text: prepared again
     with pytest.raises(AssertionError, match="tokenized again"):
         prepare_lib.ensure_prepared([moved], tmp_path / "data", tokenizer="bytes", val_fraction=0.1, progress=False)
+
+
+@pytest.mark.parametrize(
+    "setting, match",
+    [
+        ("data.val_fraction=1.5", "data.val_fraction must be in \\[0, 1\\), got 1.5"),
+        ("data.tokenizer=bpe:100", "data.tokenizer='bpe:100': write bpe:N with a vocabulary size N >= 258"),
+    ],
+)
+def test_a_text_runs_bad_preparation_settings_are_named_as_config_keys(tmp_path, setting, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        train(config_lib.load(None, [*BASE, "data.source=text", setting, f"run.out_dir={tmp_path}"]))
+    assert "\n" not in str(e.value) and "--" not in str(e.value)  # not prepare-data's flags

@@ -266,7 +266,14 @@ def ensure_prepared(
         try:
             train_bpe = int(tokenizer[4:])
         except ValueError:
-            raise ValueError(f"data.tokenizer={tokenizer!r}: write bpe:N with a vocabulary size N (bpe:512)") from None
+            train_bpe = -1
+        if train_bpe < tokenize.MIN_BPE_VOCAB:  # the run's settings named, not prepare-data's flags
+            raise ValueError(
+                f"data.tokenizer={tokenizer!r}: write bpe:N with a vocabulary size N >= {tokenize.MIN_BPE_VOCAB} "
+                "(bpe:512)"
+            )
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
     spec = "bytes" if train_bpe else tokenizer
     files = _inputs(inputs)
     source = f"bpe:{train_bpe}" if train_bpe else (spec if spec == "bytes" else str(Path(spec).absolute()))
