@@ -91,7 +91,7 @@ def test_a_prompt_of_words_for_a_run_without_tokenizer_and_a_nan_temperature_are
         sample_text(model, None, "1 2", 2, temperature=float("nan"))
 
 
-def _saved_run(run_dir, steps=(1, 2)):
+def _saved_run(run_dir, steps=(1, 2), data: dict | None = None):
     """A run directory with a checkpoint per step of CFG's parameters (each step's model seeded by the step),
     as the trainer records them."""
     import dataclasses
@@ -100,6 +100,8 @@ def _saved_run(run_dir, steps=(1, 2)):
 
     ckpt = Checkpoints(run_dir, keep=5)
     meta = {"model": {k: str(v) if "dtype" in k else v for k, v in dataclasses.asdict(CFG).items()}}
+    if data is not None:
+        meta["data"] = data
     for step in steps:
         params = nnx.to_pure_dict(nnx.state(GPT(CFG, nnx.Rngs(step)), nnx.Param))
         ckpt.save(step, {"params": params}, meta)
@@ -133,3 +135,18 @@ def test_a_sample_prompt_the_run_cannot_use_is_refused_before_training(tmp_path)
         train(cfg)
     assert "\n" not in str(e.value)
     assert not (tmp_path / "metrics.jsonl").exists()  # nothing trained
+
+
+def test_a_text_run_moved_whole_samples_with_the_tokenizer_prepared_inside_it(tmp_path):
+    from jaxdist.train.data import CORPUS
+    from jaxdist.train.prepare import prepare
+    from jaxdist.train.sample import load_run
+    from jaxdist.train.shards import content_id
+
+    run = tmp_path / "moved-run"  # data.source=text prepared the text into <run.out_dir>/data, then it moved
+    prepare([CORPUS], run / "data", train_bpe=300, progress=False)
+    _saved_run(run, steps=(1,), data={"dir": str(tmp_path / "old-run" / "data"), "content": content_id(run / "data")})
+    assert load_run(run)[1].vocab_size == 300
+    (run / "data" / "index.json").write_text((run / "data" / "index.json").read_text().replace('"val_fraction"', '"x"'))
+    with pytest.raises(ValueError, match="old-run/data the run trained on .* is gone; give where it is now"):
+        load_run(run)  # other data inside the run: not taken for the run's own

@@ -122,7 +122,8 @@ def load_run(run_dir: str | Path, data_dir: str | Path | None = None):
     tokenizer is that of `data_dir`, by default the data directory the checkpoint was trained on."""
     from jaxdist.train.checkpoint import CheckpointError
     from jaxdist.train.export import read_params
-    from jaxdist.train.shards import load_tokenizer
+    from jaxdist.train.prepare import INDEX
+    from jaxdist.train.shards import content_id, load_tokenizer
 
     run_dir = Path(run_dir)
     if not (run_dir / "checkpoints").is_dir():
@@ -136,6 +137,10 @@ def load_run(run_dir: str | Path, data_dir: str | Path | None = None):
     nnx.replace_by_pure_dict(params, saved)  # only the parameters are read
     nnx.update(model, params)
     trained_on = (meta.get("data") or {}).get("dir")
+    inside = run_dir / "data"  # where data.source=text prepares it: found again when the whole run moved
+    if data_dir is None and trained_on and not Path(trained_on).is_dir() and (inside / INDEX).is_file():
+        if content_id(inside) == meta["data"].get("content"):
+            trained_on = str(inside)
     if data_dir is None and trained_on and not Path(trained_on).is_dir():
         raise ValueError(
             f"the data directory {trained_on} the run trained on (with its tokenizer) is gone; "
