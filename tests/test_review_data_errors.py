@@ -75,3 +75,16 @@ def test_a_text_runs_bad_preparation_settings_are_named_as_config_keys(tmp_path,
     with pytest.raises(ConfigError, match=match) as e:
         train(config_lib.load(None, [*BASE, "data.source=text", setting, f"run.out_dir={tmp_path}"]))
     assert "\n" not in str(e.value) and "--" not in str(e.value)  # not prepare-data's flags
+
+
+def test_a_data_directory_without_a_validation_split_is_a_one_line_error(tmp_path):
+    import json
+
+    from jaxdist.train.shards import ShardData
+
+    prepare([CORPUS], tmp_path / "d", progress=False)
+    index = json.loads((tmp_path / "d" / "index.json").read_text())
+    del index["splits"]["val"]  # as a directory written by another tool may be
+    (tmp_path / "d" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="has no val split; prepare the data with jaxdist prepare-data"):
+        ShardData(tmp_path / "d", "val", seq_len=64, seed=0, stride=64, shuffle=False)

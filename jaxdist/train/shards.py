@@ -78,6 +78,8 @@ class TokenShards:
         self.directory = Path(directory)
         index = read_index(directory)
         dtype = np.dtype(index["dtype"]).newbyteorder("<")
+        if split not in index.get("splits", {}):
+            raise ValueError(f"{directory} has no {split} split; prepare the data with jaxdist prepare-data")
         shards = [s for s in index["splits"][split]["shards"] if s["tokens"]]
         self.maps = [_open_shard(self.directory / s["file"], dtype, s["tokens"]) for s in shards]
         self.starts = np.cumsum([0] + [len(m) for m in self.maps])
