@@ -88,3 +88,13 @@ def test_a_data_directory_without_a_validation_split_is_a_one_line_error(tmp_pat
     (tmp_path / "d" / "index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="has no val split; prepare the data with jaxdist prepare-data"):
         ShardData(tmp_path / "d", "val", seq_len=64, seed=0, stride=64, shuffle=False)
+
+
+def test_a_damaged_index_stops_training_on_one_line_naming_it(tmp_path):
+    prepare([CORPUS], tmp_path / "d", progress=False)
+    index = tmp_path / "d" / "index.json"
+    index.write_text(index.read_text()[:40])  # cut short
+    cfg = config_lib.load(None, [*BASE, f"data.path={tmp_path / 'd'}", f"run.out_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match="index.json is damaged .*; prepare the data again") as e:
+        train(cfg)
+    assert "\n" not in str(e.value)

@@ -282,7 +282,10 @@ def ensure_prepared(
     wanted = {"inputs": contents(source_record(files)), "tokenizer_source": source, "val_fraction": val_fraction}
     index_path = out / INDEX
     if index_path.is_file():
-        index = json.loads(index_path.read_text())
+        try:
+            index = json.loads(index_path.read_text())
+        except ValueError:  # damaged (an interrupted copy): prepared again below
+            index = {}
         index["inputs"] = contents(index.get("inputs", []))
         if all(index.get(k) == v for k, v in wanted.items()):
             return out

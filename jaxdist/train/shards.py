@@ -31,8 +31,11 @@ def read_index(directory: str | Path) -> dict:
     path = Path(directory) / prepare_lib.INDEX
     if not path.is_file():
         raise ValueError(f"{directory} has no {prepare_lib.INDEX}; make it with: jaxdist prepare-data FILES --out DIR")
-    index = json.loads(path.read_text())
-    if index.get("format") != prepare_lib.FORMAT:
+    try:
+        index = json.loads(path.read_text())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ValueError(f"{path} is damaged ({e}); prepare the data again") from None
+    if not isinstance(index, dict) or index.get("format") != prepare_lib.FORMAT:
         raise ValueError(f"{path} is not a {prepare_lib.FORMAT} index; prepare the data again")
     return index
 
