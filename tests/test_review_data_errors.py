@@ -98,3 +98,14 @@ def test_a_damaged_index_stops_training_on_one_line_naming_it(tmp_path):
     with pytest.raises(ConfigError, match="index.json is damaged .*; prepare the data again") as e:
         train(cfg)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["{cut", "[]"])
+def test_text_prepared_on_the_fly_with_a_damaged_index_is_prepared_again(tmp_path, damage):
+    from jaxdist.train.prepare import ensure_prepared
+    from jaxdist.train.shards import read_index
+
+    ensure_prepared([CORPUS], tmp_path / "data", tokenizer="bytes", val_fraction=0.1, progress=False)
+    (tmp_path / "data" / "index.json").write_text(damage)
+    ensure_prepared([CORPUS], tmp_path / "data", tokenizer="bytes", val_fraction=0.1, progress=False)
+    assert read_index(tmp_path / "data")["splits"]["train"]["tokens"] > 0

@@ -286,6 +286,7 @@ def ensure_prepared(
             index = json.loads(index_path.read_text())
         except ValueError:  # damaged (an interrupted copy): prepared again below
             index = {}
+        index = index if isinstance(index, dict) else {}
         index["inputs"] = contents(index.get("inputs", []))
         if all(index.get(k) == v for k, v in wanted.items()):
             return out
