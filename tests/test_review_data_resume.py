@@ -50,3 +50,10 @@ def test_a_run_resumed_on_another_layout_and_batch_size_and_moved_data_reads_the
     for step, (first, size) in enumerate([(0, 8), (8, 16), (24, 16)]):
         np.testing.assert_array_equal(seen[step][0], np.stack([samples[k] for k in range(first, first + size)]))
     assert len({tuple(r) for step in range(3) for r in seen[step][0]}) == 40  # 40 distinct windows
+
+
+def test_where_the_stream_continues_is_read_from_the_checkpoint_or_derived_for_an_older_one():
+    assert hooks.samples_before(None, 0, 16) == 0  # a new run
+    assert hooks.samples_before({"data_samples": 40, "config": {"data": {"batch_size": 8}}}, 3, 16) == 40
+    # a checkpoint of an older jaxdist records no samples: its steps read its own batch size each
+    assert hooks.samples_before({"config": {"data": {"batch_size": 8}}}, 5, 16) == 40
