@@ -105,14 +105,17 @@ def xla_auto(axis: str, shard_axis: str | None):
     return build
 
 
-def ddp(zero1: bool, reduce_dtype=None):
-    """reduce_dtype=bfloat16 reduces the gradients in bfloat16, as XLA's automatic DP does."""
+def ddp(zero1: bool, reduce_dtype=None, pack_buckets: bool = True):
+    """reduce_dtype=bfloat16 reduces the gradients in bfloat16, as XLA's automatic DP does;
+    pack_buckets=False runs one collective per parameter (no bucket buffers)."""
 
     def build(model, devices, batch_for, backend):
         mesh = mesh_for(devices, (len(devices),), ("dp",), backend)
         batch = batch_for(mesh)
         size = int(os.environ.get("JAXDIST_BENCH_BUCKET_SIZE", 0)) or DEFAULT_BUCKET_SIZE
-        run = DDP(mesh, zero1=zero1, bucket_size=size, reduce_dtype=reduce_dtype, backend=backend)
+        run = DDP(
+            mesh, zero1=zero1, bucket_size=size, reduce_dtype=reduce_dtype, pack_buckets=pack_buckets, backend=backend
+        )
         return run.prepare(model, optimizer(), next_token_loss, batch), batch
 
     return build
@@ -178,6 +181,8 @@ CONFIGS = {  # name: (builder, comm backend)
             ("zero3", engine_zero3()),
             ("zero3keep", engine_zero3(remat=False)),
             ("zero1bf16", ddp(zero1=True, reduce_dtype=jnp.bfloat16)),
+            ("zero1unpacked", ddp(zero1=True, pack_buckets=False)),
+            ("zero1bf16unpacked", ddp(zero1=True, reduce_dtype=jnp.bfloat16, pack_buckets=False)),
             ("zero3bf16", engine_zero3(compute_dtype=jnp.bfloat16)),
             ("zero3keepbf16", engine_zero3(remat=False, compute_dtype=jnp.bfloat16)),
             ("dptp", engine_tp("dp")),
