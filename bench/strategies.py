@@ -30,6 +30,7 @@ bench/RESULTS.md.
     python bench/strategies.py --cpu --models tiny --steps 2   # dry run, 8 simulated CPU devices, not recorded
 
 `JAXDIST_BENCH_NCCL_BLOCKING=0` makes the nccl configurations' communicators non-blocking.
+`JAXDIST_BENCH_BUCKET_SIZE=N` sets DDP's bucket size in elements (default 10M).
 `JAXDIST_BENCH_MICROBATCHES=M` sets the pipeline configurations' micro-batches per step (default 4 pp).
 """
 
@@ -58,6 +59,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from results import append_result  # noqa: E402
 from xla_auto import AutoShardedRun  # noqa: E402
 
+from jaxdist.buckets import DEFAULT_BUCKET_SIZE  # noqa: E402
 from jaxdist.comm import nccl  # noqa: E402
 from jaxdist.ddp import DDP  # noqa: E402
 from jaxdist.engine import Parallel  # noqa: E402
@@ -103,11 +105,18 @@ def xla_auto(axis: str, shard_axis: str | None):
     return build
 
 
-def ddp(zero1: bool):
+def ddp(zero1: bool, reduce_dtype=None, pack_buckets: bool = True):
+    """reduce_dtype=bfloat16 reduces the gradients in bfloat16, as XLA's automatic DP does;
+    pack_buckets=False runs one collective per parameter (no bucket buffers)."""
+
     def build(model, devices, batch_for, backend):
         mesh = mesh_for(devices, (len(devices),), ("dp",), backend)
         batch = batch_for(mesh)
-        return DDP(mesh, zero1=zero1, backend=backend).prepare(model, optimizer(), next_token_loss, batch), batch
+        size = int(os.environ.get("JAXDIST_BENCH_BUCKET_SIZE", 0)) or DEFAULT_BUCKET_SIZE
+        run = DDP(
+            mesh, zero1=zero1, bucket_size=size, reduce_dtype=reduce_dtype, pack_buckets=pack_buckets, backend=backend
+        )
+        return run.prepare(model, optimizer(), next_token_loss, batch), batch
 
     return build
 
@@ -118,13 +127,16 @@ def fsdp(model, devices, batch_for, backend):
     return FSDP(mesh, backend=backend).prepare(model, optimizer(), Units(embed_inputs, head_loss), batch), batch
 
 
-def engine_zero3(remat: bool | None = None):
-    """The engine's ZeRO-3 over fsdp; remat=False keeps activations (rebuilds only the weights' residuals)."""
+def engine_zero3(remat: bool | None = None, compute_dtype=None):
+    """The engine's ZeRO-3 over fsdp; remat=False keeps activations (rebuilds only the weights' residuals);
+    compute_dtype=bfloat16 gathers the weights in bfloat16 (each shard cast before its gather, the cast
+    the model makes anyway) and reduces their gradients in bfloat16."""
 
     def build(model, devices, batch_for, backend):
         mesh = mesh_for(devices, (len(devices),), ("fsdp",), backend)
         batch = batch_for(mesh)
-        return Parallel(mesh, remat=remat, backend=backend).prepare(model, optimizer(), UNITS, batch), batch
+        run = Parallel(mesh, remat=remat, compute_dtype=compute_dtype, backend=backend)
+        return run.prepare(model, optimizer(), UNITS, batch), batch
 
     return build
 
@@ -168,6 +180,11 @@ CONFIGS = {  # name: (builder, comm backend)
             ("fsdp", fsdp),
             ("zero3", engine_zero3()),
             ("zero3keep", engine_zero3(remat=False)),
+            ("zero1bf16", ddp(zero1=True, reduce_dtype=jnp.bfloat16)),
+            ("zero1unpacked", ddp(zero1=True, pack_buckets=False)),
+            ("zero1bf16unpacked", ddp(zero1=True, reduce_dtype=jnp.bfloat16, pack_buckets=False)),
+            ("zero3bf16", engine_zero3(compute_dtype=jnp.bfloat16)),
+            ("zero3keepbf16", engine_zero3(remat=False, compute_dtype=jnp.bfloat16)),
             ("dptp", engine_tp("dp")),
             ("dptpsp", engine_tp("dp", sequence_parallel=True)),
             ("fsdptp", engine_tp("fsdp")),

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
@@ -84,8 +85,10 @@ def optimizer_step(
     Args:
       optimizer: the optax transformation.
       params, opt_state: the current parameters and optimizer state.
-      grads: the reduced gradients, shaped like `params` (in the reduction's dtype: the norm and
-        the clip are taken in it, then each is cast to its parameter's dtype).
+      grads: the reduced gradients, shaped like `params`, in the reduction's dtype: the norm is
+        taken in float32 (float64 for float64 gradients), the clip (`optax.clip_by_global_norm`'s
+        arithmetic) in the wider of that dtype and the parameter's, then each gradient is cast to
+        its parameter's dtype.
       max_grad_norm: clip the gradients to this global L2 norm (None: no clip).
       skip_nonfinite: keep parameters and optimizer state when the norm is NaN/Inf.
 
@@ -97,10 +100,16 @@ def optimizer_step(
     # norm would clip them at float32 precision)
     dtype = jnp.result_type(jnp.float32, *(g.dtype for g in leaves))
     norm = jnp.sqrt(sum((jnp.sum(jnp.square(g.astype(dtype))) for g in leaves), jnp.zeros((), dtype)))
-    if max_grad_norm is not None:  # optax.clip_by_global_norm's arithmetic: no epsilon, exact at any scale
-        clip = norm >= max_grad_norm
-        grads = jax.tree.map(lambda g: jnp.where(clip, g / norm * max_grad_norm, g).astype(g.dtype), grads)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    clip = None if max_grad_norm is None else norm >= max_grad_norm
+
+    def to_param_dtype(g, p):  # clipped in the wider of the two dtypes: a bfloat16 reduction is not rounded twice
+        if clip is not None:  # optax.clip_by_global_norm's arithmetic: no epsilon, exact at any scale
+            wide = jnp.promote_types(g.dtype, p.dtype)
+            g = g.astype(wide)
+            g = jnp.where(clip, g / norm.astype(wide) * np.asarray(max_grad_norm, wide), g)
+        return g.astype(p.dtype)
+
+    grads = jax.tree.map(to_param_dtype, grads, params)
     updates, new_opt = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     skipped = jnp.zeros((), jnp.bool_)

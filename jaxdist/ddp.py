@@ -93,6 +93,9 @@ class DDP:
       overlap_grad_reduce: start each bucket's reduction during backward.
       overlap_param_gather: (zero1) gather each bucket during the forward,
         just ahead of its first use; otherwise gather everything first.
+      pack_buckets: True copies each bucket's parameters into one flat buffer for one
+        collective; False starts one collective per parameter of the bucket, all at the
+        bucket's point in the schedule (no copies in or out; XLA may combine them).
       backend: the `jaxdist.comm` backend ("xla" or "nccl"; default: process default).
     """
 
@@ -112,6 +115,7 @@ class DDP:
     max_grad_norm: float | None = None
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
+    pack_buckets: bool = True
     backend: str | None = None
 
     def __post_init__(self):
@@ -413,8 +417,9 @@ class DDPRun:
             for b in range(len(self.layout)):
                 sched.ready(b, {first_grad + s.leaf: grads[s.leaf] for s in self.layout.buckets[b].slots})
         reduced = {}
-        for bucket, flat in zip(self.layout.buckets, sched.drain(), strict=True):
-            reduced.update(unpack_shard(bucket, flat, flat.dtype))  # local: slice, reshape, transpose
+        for bucket, out in zip(self.layout.buckets, sched.drain(), strict=True):
+            # packed: the bucket's flat segment (local slices, reshapes, transposes); else per parameter
+            reduced.update(unpack_shard(bucket, out, out.dtype) if cfg.pack_buckets else out)
         loss = (loss_sum + loss.astype(jnp.float32)) / a
         loss, tok = comm.all_reduce(loss, cfg.axis, sched.tok, op="mean", backend=cfg.backend)
         if cfg.sum_and_count:
@@ -450,17 +455,33 @@ class _BucketSchedule(Schedule):
         self._start_gather(0)
 
     def _start_gather(self, position: int):
-        if position < len(self.gather_order):
-            b = self.gather_order[position]
-            segment = pack_shard(self.layout.buckets[b], self.chunks)  # the copy into the communication buffer
-            self.gathers[b], self.tok = comm.all_gather_start(
-                segment, self.cfg.axis, self.tok, tiled=True, backend=self.cfg.backend
+        if position >= len(self.gather_order):
+            return
+        b = self.gather_order[position]
+        bucket, axis, backend = self.layout.buckets[b], self.cfg.axis, self.cfg.backend
+        if self.cfg.pack_buckets:
+            segment = pack_shard(bucket, self.chunks)  # the copy into the communication buffer
+            self.gathers[b], self.tok = comm.all_gather_start(segment, axis, self.tok, tiled=True, backend=backend)
+            return
+        handles = {}
+        for slot in bucket.slots:
+            chunk = self.chunks[slot.leaf]
+            handles[slot.leaf], self.tok = comm.all_gather_start(
+                chunk, axis, self.tok, axis=slot.dim, tiled=True, backend=backend
             )
+        self.gathers[b] = handles
 
     def _wait_gather(self, b: int) -> dict[int, jax.Array]:
-        flat, self.tok = comm.wait(self.gathers.pop(b), self.tok)
+        started = self.gathers.pop(b)
+        if self.cfg.pack_buckets:
+            flat, self.tok = comm.wait(started, self.tok)
+            gathered = unpack_bucket(self.layout.buckets[b], flat)
+        else:
+            gathered = {}
+            for leaf, handle in started.items():
+                gathered[leaf], self.tok = comm.wait(handle, self.tok)
         self._start_gather(self.gather_order.index(b) + 1)
-        return unpack_bucket(self.layout.buckets[b], flat)
+        return gathered
 
     def gather_all(self) -> dict[int, jax.Array]:
         """Every gathered parameter, by leaf index."""
@@ -480,15 +501,30 @@ class _BucketSchedule(Schedule):
             a = self.cfg.accumulation_steps
             grads = {i: (g + self.accumulated[i]) / np.asarray(a, g.dtype) for i, g in grads.items()}
         dtype = self.cfg.reduce_dtype or bucket.dtype
-        flat = pack_bucket(bucket, grads, dtype)
-        op = "mean"
-        if not self.cfg.average_in_collective:
-            # scaled in float32 (or wider) and rounded once: 1/dp itself rounded to bfloat16 (1/3 -> 0.33398)
-            # would scale every gradient up by the same 0.2%
+        op = "mean" if self.cfg.average_in_collective else "sum"
+
+        def scale(x):
+            if op == "mean":
+                return x
+            # by 1/dp in float32 (or wider), rounded once: 1/dp itself rounded to bfloat16 (1/3 -> 0.33398)
+            # would scale every gradient up by the same 0.14%
             wide = jnp.promote_types(dtype, jnp.float32)
-            flat, op = (flat.astype(wide) * np.asarray(1 / self.cfg.dp, wide)).astype(dtype), "sum"
-        start = comm.reduce_scatter_start if bucket.sharded else comm.all_reduce_start
-        handle, self.tok = start(flat, self.cfg.axis, self.tok, op=op, backend=self.cfg.backend)
+            return (x.astype(wide) * np.asarray(1 / self.cfg.dp, wide)).astype(dtype)
+
+        axis, backend = self.cfg.axis, self.cfg.backend
+        if self.cfg.pack_buckets:
+            start = comm.reduce_scatter_start if bucket.sharded else comm.all_reduce_start
+            handle, self.tok = start(scale(pack_bucket(bucket, grads, dtype)), axis, self.tok, op=op, backend=backend)
+        else:
+            handle = {}
+            for slot in bucket.slots:
+                g = scale(grads[slot.leaf].astype(dtype))
+                if bucket.sharded:
+                    handle[slot.leaf], self.tok = comm.reduce_scatter_start(
+                        g, axis, self.tok, op=op, scatter_axis=slot.dim, backend=backend
+                    )
+                else:
+                    handle[slot.leaf], self.tok = comm.all_reduce_start(g, axis, self.tok, op=op, backend=backend)
         if self.pending:
             self._finish_oldest()
             self.tie_next = True
@@ -496,7 +532,12 @@ class _BucketSchedule(Schedule):
 
     def _finish_oldest(self):
         b, handle = self.pending.pop(0)
-        self.reduced[b], self.tok = comm.wait(handle, self.tok)
+        if self.cfg.pack_buckets:
+            self.reduced[b], self.tok = comm.wait(handle, self.tok)
+            return
+        self.reduced[b] = {}
+        for leaf, h in handle.items():
+            self.reduced[b][leaf], self.tok = comm.wait(h, self.tok)
 
     def before(self, inputs):
         if self.tie_next and inputs:
@@ -506,7 +547,7 @@ class _BucketSchedule(Schedule):
 
     def drain(self) -> list:
         """Finish every reduction (and any unread gather); the reduced buckets (this rank's segment of
-        a rank-major one) in bucket order."""
+        a rank-major one; unpacked: its gradients by leaf) in bucket order."""
         while self.pending:
             self._finish_oldest()
         while self.gathers:  # waiting one starts the next: a snapshot of the started ones would miss it

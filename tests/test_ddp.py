@@ -238,13 +238,21 @@ def sgd_reference(make_model, loss_fn, batches, lr: float, max_grad_norm: float 
 
 
 @pytest.mark.parametrize(
-    "zero1, average_in_collective, max_grad_norm",
-    [(False, True, None), (True, True, None), (False, False, 0.05), (True, False, 0.05)],
-    ids=["ddp", "zero1", "ddp-prescale-clip", "zero1-prescale-clip"],
+    "zero1, average_in_collective, max_grad_norm, pack_buckets",
+    [
+        (False, True, None, True),
+        (True, True, None, True),
+        (False, False, 0.05, True),
+        (True, False, 0.05, True),
+        (False, False, 0.05, False),
+        (True, True, 0.05, False),
+    ],
+    ids=["ddp", "zero1", "ddp-prescale-clip", "zero1-prescale-clip", "ddp-unpacked", "zero1-unpacked-clip"],
 )
-def test_accumulation_with_sgd_matches_one_big_batch(mesh, zero1, average_in_collective, max_grad_norm):
+def test_accumulation_with_sgd_matches_one_big_batch(mesh, zero1, average_in_collective, max_grad_norm, pack_buckets):
     """SGD is not scale-invariant: a gradient summed instead of averaged over micro-batches moves the
-    parameters accumulation_steps times too far, and the clip and grad_norm see a too-large norm."""
+    parameters accumulation_steps times too far, and the clip and grad_norm see a too-large norm.
+    `pack_buckets=False` (one collective per parameter) must compute the same."""
     make_model, loss_fn, batches = make_case("mlp", 3, batch_size=32)
     lr = 0.5
     ref_losses, ref_norms, ref_params = sgd_reference(make_model, loss_fn, batches, lr, max_grad_norm)
@@ -255,6 +263,7 @@ def test_accumulation_with_sgd_matches_one_big_batch(mesh, zero1, average_in_col
         accumulation_steps=4,
         average_in_collective=average_in_collective,
         max_grad_norm=max_grad_norm,
+        pack_buckets=pack_buckets,
     )
     losses, params, _, _, metrics = ddp_run(cfg, make_model, loss_fn, batches, optax.sgd(lr))
     if max_grad_norm is not None:
@@ -298,10 +307,11 @@ def test_nonfinite_gradient_skips_the_step_and_reports_it(mesh, zero1):
     assert_params_close(run.params(state), ref_params)
 
 
-def _mlp_schedule(mesh, zero1: bool):
+def _mlp_schedule(mesh, zero1: bool, pack_buckets: bool = True):
     make_model = lambda: MLP(6, 32, nnx.Rngs(0))
     batch = {"x": np.ones((16, 32), np.float32), "y": np.ones((16, 32), np.float32)}
-    run = DDP(mesh, zero1=zero1, bucket_size=1000).prepare(make_model(), optax.adam(LR), mlp_loss, batch)
+    cfg = DDP(mesh, zero1=zero1, bucket_size=1000, pack_buckets=pack_buckets)
+    run = cfg.prepare(make_model(), optax.adam(LR), mlp_loss, batch)
     assert len(run.layout) == 6  # one bucket per layer
     return entry_schedule(run.step.lower(run.state, batch).compile().as_text())
 
@@ -391,3 +401,16 @@ def test_zero1_waits_every_gather_it_starts_and_gathers_no_bucket_the_forward_ne
     starts, waits = hlo.count("custom_call @jaxdist_nccl_start"), hlo.count("custom_call @jaxdist_nccl_wait")
     assert sum(bucket.sharded for bucket in run.layout.buckets) >= 3
     assert starts == waits == len(run.layout) + 1  # a reduction per bucket, a gather of the one read
+
+
+def test_unpacked_zero1_gathers_and_scatters_each_parameter_in_its_buckets_place(mesh):
+    """pack_buckets=False: no bucket buffers, one gather and one reduce-scatter per parameter (kernel
+    and bias of each layer), still overlapping forward and backward as the buckets do."""
+    sched = _mlp_schedule(mesh, zero1=True, pack_buckets=False)
+    matmuls = positions(sched, "matmul")
+    gathers = positions(sched, "all-gather")
+    scatters = positions(sched, "reduce-scatter")
+    assert not positions(sched, "all-gather", "1152]")  # no bucket-sized buffer
+    assert len(gathers) == 12 and len(scatters) == 12, sched
+    assert gathers[-1] > matmuls[0] and scatters[0] < matmuls[-1]
+    assert sum(m > scatters[0] for m in matmuls) >= 4

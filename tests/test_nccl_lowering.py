@@ -125,6 +125,8 @@ CASES = {
     "zero1-overlap-gather": ddp(zero1=True),
     "zero1-gather-first": ddp(zero1=True, overlap_param_gather=False),
     "zero1-accumulate2": ddp(zero1=True, accumulation_steps=2),
+    "zero1-unpacked": ddp(zero1=True, pack_buckets=False),
+    "ddp-unpacked-accumulate2": ddp(accumulation_steps=2, pack_buckets=False),
     "zero1-reduce-after-backward": ddp(zero1=True, overlap_grad_reduce=False),
     "zero1-unused-params-overlap-gather": ddp("unused", zero1=True),
     "zero1-unused-params-gather-first": ddp("unused", zero1=True, overlap_param_gather=False),

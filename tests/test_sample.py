@@ -76,7 +76,7 @@ def test_sample_command_continues_the_prompt_with_the_runs_tokenizer(tmp_path):
     model, tokenizer, step = load_run(out)
     assert step == 2 and tokenizer.vocab_size == 300
     prompt = "The river"
-    ids = Generator(model).generate(tokenizer.encode(prompt), 20, temperature=0.0)
+    ids = Generator(model, tokenizer.vocab_size).generate(tokenizer.encode(prompt), 20, temperature=0.0)
     cmd = [sys.executable, "-m", "jaxdist.train.cli", "sample", str(out), "--prompt", prompt, "--tokens", "20"]
     done = subprocess.run([*cmd, "--temperature", "0"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -33,6 +33,7 @@ def cfg(tmp_path, *overrides):
         (["model.seq_len=0"], "model.seq_len must be >= 1, got 0"),
         (["optim.decay_steps=0"], "optim.decay_steps must be >= 1, got 0"),
         (["parallel.remat=sometimes"], "parallel.remat must be auto, true or false, got 'sometimes'"),
+        (["parallel.comm_dtype=bfloat16"], "parallel.comm_dtype must be param or compute, got 'bfloat16'"),
         (
             ["parallel.pp=2", "parallel.remat=false"],
             "parallel.remat=false \\(keep activations\\) does not work with parallel.pp > 1.*set it to auto",
@@ -168,3 +169,59 @@ def test_parallel_remat_reads_toml_booleans_and_auto(tmp_path):
         config_lib.validate(c)
         assert c.parallel.remat == value and type(c.parallel.remat) is type(value)
     assert config_lib.TrainConfig().parallel.remat == "auto"
+
+
+def _prepared(overrides):
+    import jax
+    from flax import nnx
+
+    from jaxdist.train import trainer
+    from jaxdist.train.gpt import GPT
+
+    c = config_lib.load(None, [*BASE, "model.n_layers=1", *overrides])
+    config_lib.validate(c)
+    model_cfg = trainer.model_config(c)
+    optimizer, _ = trainer.make_optimizer(c)
+    rows = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (16, model_cfg.seq_len + 1), dtype=np.int32)
+    batch = {"tokens": rows}
+    return trainer.parallelize(c, trainer.make_mesh(c, jax.devices()), GPT(model_cfg, nnx.Rngs(0)), optimizer, batch)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "option"),
+    [
+        ([], "reduce_dtype"),  # DDP: the gradients; ZeRO-1 gathers the float32 master parameters
+        (["parallel.fsdp=8"], "compute_dtype"),
+        (["parallel.tp=2"], "compute_dtype"),
+        (["parallel.pp=2", "model.n_layers=2"], "compute_dtype"),
+    ],
+    ids=["ddp", "fsdp", "tp", "pp"],
+)
+def test_comm_dtype_compute_reaches_every_strategy(overrides, option):
+    import jax.numpy as jnp
+
+    run = _prepared(["model.dtype=bfloat16", "parallel.comm_dtype=compute", *overrides])
+    assert getattr(run.cfg, option) == jnp.bfloat16
+    assert getattr(_prepared(["model.dtype=bfloat16", *overrides]).cfg, option) is None  # the default: param
+
+
+def test_comm_dtype_compute_gathers_what_the_model_computes_with():
+    """FSDP with bfloat16 compute: casting each shard before its gather is the model's own cast at use, so
+    the step's loss is bit-identical; the gradients, reduced in bfloat16, move the parameters as a float32
+    reduction does to within bfloat16 rounding."""
+    import jax
+
+    runs = [
+        _prepared(["model.dtype=bfloat16", "parallel.fsdp=8", f"parallel.comm_dtype={d}"]) for d in ("param", "compute")
+    ]
+    rows = np.random.default_rng(1).integers(0, 256, (16, 65), dtype=np.int32)  # the tiny GPT's vocab, seq_len + 1
+    before = [np.asarray(x, np.float32) for x in jax.tree.leaves(runs[0].params(runs[0].state))]  # steps donate
+    outs = [run.step(run.state, {"tokens": rows}) for run in runs]
+    (s_param, m_param), (s_compute, m_compute) = outs
+    assert float(m_param["loss"]) == float(m_compute["loss"])
+    moved = [jax.tree.leaves(runs[i].params(s)) for i, s in enumerate((s_param, s_compute))]
+    for b, p, c in zip(before, *moved, strict=True):
+        step = np.abs(np.asarray(p, np.float32) - b).max()
+        np.testing.assert_allclose(
+            np.asarray(c, np.float32), np.asarray(p, np.float32), rtol=0, atol=0.02 * step + 1e-7
+        )

@@ -110,6 +110,39 @@ def _file_sums(step_dir: Path, chunk_bytes: int | None = None) -> dict:
     return {"chunk_bytes": chunk_bytes, "files": files}
 
 
+class _Unverifiable(_Unreadable):
+    """A checkpoint whose checksum file cannot be read: its data files may be good, but nothing vouches for them."""
+
+    def __init__(self, path: Path, why: str):
+        super().__init__(f"its checksum file {path.name} is damaged: {why}")
+        self.name = path.name
+
+
+def _read_checksums(path: Path) -> dict:
+    """The sums recorded in `path`, either form, checked for shape: a damaged file that still parses (`{}`,
+    a list, a size that is not a number) must not verify a checkpoint by checking nothing."""
+    try:
+        sums = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        raise _Unverifiable(path, _first_line(e)) from None
+    per_piece = isinstance(sums, dict) and "chunk_bytes" in sums
+    files = sums.get("files") if per_piece else sums
+    if per_piece and not (isinstance(sums["chunk_bytes"], int) and sums["chunk_bytes"] > 0):
+        raise _Unverifiable(path, f"chunk_bytes is {sums['chunk_bytes']!r}")
+    if not isinstance(files, dict) or not files:
+        raise _Unverifiable(path, "it lists no files")
+    for name, entry in files.items():
+        sums_ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)
+        crcs_ok = sums_ok and (
+            isinstance(entry[1], list) and all(isinstance(c, int) for c in entry[1])
+            if per_piece
+            else isinstance(entry[1], int)
+        )
+        if not crcs_ok:
+            raise _Unverifiable(path, f"its entry for {name} is not [size, CRC]")
+    return sums
+
+
 def _whole_file_crc(path: Path) -> int:
     """The CRC-32 of a whole file, as checkpoints saved before the per-piece sums recorded it."""
     crc = 0
@@ -152,6 +185,7 @@ class Checkpoints:
         self._finish_error: BaseException | None = None
         self._quiet = _DropOrbaxLogs()
         self._verified: set[int] = set()  # steps whose files matched their checksums (a resume reads twice)
+        self._unverified: dict[int, str] = {}  # steps whose checksum file (this name) could not be read
 
     def latest(self) -> int | None:
         return self.manager.latest_step()
@@ -234,7 +268,7 @@ class Checkpoints:
         recorded = next((step_dir / n for n in (CHECKSUMS, CHECKSUMS_V1) if (step_dir / n).is_file()), None)
         if recorded is None:
             return  # saved before checksums existed, or the process died right after orbax finished
-        expected = json.loads(recorded.read_text())
+        expected = _read_checksums(recorded)
         if "chunk_bytes" in expected:  # per piece (under the older name too, as one development commit wrote)
             found = _file_sums(step_dir, expected["chunk_bytes"])
         else:  # {name: [size, CRC-32 of the whole file]}, as jaxdist wrote before
@@ -282,6 +316,8 @@ class Checkpoints:
         if jax.process_index() == 0:
             try:
                 self._verify(step)
+            except _Unverifiable as e:
+                reason, self._unverified[step] = _first_line(e), e.name
             except Exception as e:
                 reason = _first_line(e)
         if jax.process_count() > 1:
@@ -294,16 +330,20 @@ class Checkpoints:
         return reason
 
     def _set_aside(self, step: int, reason: str) -> None:
+        """Move checkpoint `step` into `unreadable_dir` (never over one set aside before: nothing is deleted)."""
         self._verified.discard(step)
-        target = self.unreadable_dir / str(step)
-        warn(
-            f"checkpoint {self.directory / str(step)} is unreadable ({reason}); "
-            f"moved to {target}; the previous one is used instead"
-        )
+        target, copies = self.unreadable_dir / str(step), 1
+        while target.exists():
+            copies += 1
+            target = self.unreadable_dir / f"{step}.{copies}"
+        source, what, advice = self.directory / str(step), "is unreadable", ""
+        if name := self._unverified.pop(step, None):  # its data files may be good: say how to use them anyway
+            what = "cannot be verified"
+            advice = f"; if you trust its files, delete {target / name} and move {target} back to {source}"
+        warn(f"checkpoint {source} {what} ({reason}); moved to {target}; the previous one is used instead{advice}")
         if jax.process_index() == 0:
-            shutil.rmtree(target, ignore_errors=True)
             target.parent.mkdir(exist_ok=True)
-            shutil.move(self.directory / str(step), target)
+            shutil.move(source, target)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 

@@ -4,7 +4,7 @@ jaxdist train [CONFIG.toml] [section.key=value ...]
 jaxdist launch -n N [--cpu-devices D] -- jaxdist train ...
 jaxdist plot RUN_DIR
 jaxdist prepare-data INPUT... --out DIR [--tokenizer bytes|FILE.json | --train-bpe VOCAB]
-jaxdist sample RUN_DIR --prompt TEXT --tokens N
+jaxdist sample RUN_DIR --prompt TEXT --tokens N [--data DIR]
 """
 
 from __future__ import annotations
@@ -145,6 +145,7 @@ def _add_data_commands(sub) -> None:
     sa.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     sa.add_argument("--top-k", type=int, default=0, help="draw among the k most likely tokens only (0: all)")
     sa.add_argument("--seed", type=int, default=0)
+    sa.add_argument("--data", default=None, help="the prepared data directory with the tokenizer (default: the run's)")
 
 
 if __name__ == "__main__":

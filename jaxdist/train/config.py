@@ -52,6 +52,11 @@ class ParallelConfig:
         "more forward) or false (kept; FSDP rebuilds only the weights' own residuals)",
     )
     backend: str = _key("xla", "comm backend: xla or nccl")
+    comm_dtype: str = _key(
+        "param",
+        "dtype the collectives move: param (the parameters') or compute (model.dtype: weights gathered and "
+        "gradients reduced in it, half the bytes with bfloat16, as XLA's automatic sharding does)",
+    )
     pp: int = _key(1, "pipeline-parallel size (> 1: the GPT's blocks split into pp x virtual stages)")
     microbatches: int = _key(4, "pipeline: micro-batches per data rank's batch")
     schedule: str = _key("1f1b", "pipeline schedule: 1f1b, gpipe or interleaved")
@@ -203,6 +208,8 @@ def validate(cfg: TrainConfig) -> None:
             f"run.checkpoint_every must be >= 1 (steps between checkpoints), 0 (only at the end) or -1 (none), "
             f"got {cfg.run.checkpoint_every}"
         )
+    if cfg.parallel.comm_dtype not in ("param", "compute"):
+        raise ConfigError(f"parallel.comm_dtype must be param or compute, got {cfg.parallel.comm_dtype!r}")
     if cfg.parallel.remat not in (True, False, "auto"):
         raise ConfigError(f"parallel.remat must be auto, true or false, got {cfg.parallel.remat!r}")
     if cfg.parallel.remat is False and cfg.parallel.pp > 1:

@@ -2,21 +2,27 @@
 
 It runs on the full parameters of the train state (`run.model(state)`, as the
 strategy assembles them, replicated) in a `shard_map` over the training batch
-sharding: each device takes the loss of its rows, then the mean over the batch
+sharding: each device sums the loss of its rows, then the sums over the batch
 axes. So it is data-parallel on the same mesh and does no gradient work. The
 validation batches are the same ones at every evaluation (rows in order), so the
-curve compares like with like.
+curve compares like with like. A split with fewer rows than `batches` batches is
+read once: every row counts once, and the padding of its last, partial batch
+weighs nothing (a row read twice would weigh twice).
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.train.gpt import GPT, next_token_loss
-from jaxdist.train.shards import Loader
+from jaxdist.train.shards import Loader, ShardData
 
 
 class Evaluator:
@@ -24,27 +30,43 @@ class Evaluator:
         if batches < 1:
             raise ValueError(f"run.eval_batches must be >= 1, got {batches}")
         self.loader, self.n_batches = loader, batches
-        self.batches: list[dict] | None = None  # read once, kept on the devices
+        self.batches: list[tuple[dict, jax.Array]] | None = None  # (batch, row weights), read once, kept on devices
         self.loss = None  # built on first use, for the model's graph
 
     def _build(self, graphdef):
         sharding = self.loader.sharding
         axes = sharding.spec[0]
 
-        def local_loss(params, batch):
-            return jax.lax.pmean(next_token_loss(nnx.merge(graphdef, params), batch), axes)
+        def local_sums(params, batch, weights):
+            model = nnx.merge(graphdef, params)
+            # each row's loss (the one loss function, a row at a time), so padding rows can weigh 0
+            per_row = jax.vmap(lambda tokens: next_token_loss(model, {"tokens": tokens[None]}))(batch["tokens"])
+            return jax.lax.psum(jnp.stack([(per_row * weights).sum(), weights.sum()]), axes)
 
         spec = {"tokens": sharding.spec}
-        return jax.jit(jax.shard_map(local_loss, mesh=sharding.mesh, in_specs=(P(), spec), out_specs=P()))
+        return jax.jit(jax.shard_map(local_sums, mesh=sharding.mesh, in_specs=(P(), spec, P(axes)), out_specs=P()))
+
+    def _read(self) -> list[tuple[dict, jax.Array]]:
+        """The evaluated batches with a weight per row: 1, or 0 for samples past the end of a small split."""
+        size = self.loader.batch_size
+        rows = len(self.loader.data.windows) if isinstance(self.loader.data, ShardData) else None
+        count = self.n_batches * size if rows is None else min(self.n_batches * size, rows)
+        stream = self.loader.batches(0)
+        weights_sharding = NamedSharding(self.loader.sharding.mesh, P(self.loader.sharding.spec[0]))
+        out = []
+        for b in range(math.ceil(count / size)):
+            w = (np.arange(b * size, (b + 1) * size) < count).astype(np.float32)
+            out.append((next(stream), jax.make_array_from_callback((size,), weights_sharding, lambda i, w=w: w[i])))
+        return out
 
     def __call__(self, model: GPT) -> float:
-        """The mean loss of `model` over the validation batches (every process gets the same value)."""
+        """The mean loss of `model` over the validation rows (every process gets the same value)."""
         if self.batches is None:
-            stream = self.loader.batches(0)
-            self.batches = [next(stream) for _ in range(self.n_batches)]
+            self.batches = self._read()
         graphdef, params = nnx.split(model)
         if self.loss is None:
             self.loss = self._build(graphdef)
-        losses = [self.loss(params, batch) for batch in self.batches]
-        # every batch has the same number of tokens: the mean of batch means is the mean over all tokens
-        return float(np.mean([np.float64(np.asarray(x.addressable_data(0))) for x in jax.block_until_ready(losses)]))
+        sums = jax.block_until_ready([self.loss(params, batch, weights) for batch, weights in self.batches])
+        # every row has seq_len tokens: the mean over rows is the mean over all their tokens
+        total = np.sum([np.asarray(x.addressable_data(0), np.float64) for x in sums], axis=0)
+        return float(total[0] / total[1])

@@ -24,6 +24,17 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
     out = Path(out).absolute()
     if out.exists():
         raise CheckpointError(f"{out} already exists; pick a new output path or remove it")
+    step, meta, params = read_params(run_dir, step)
+    with ocp.StandardCheckpointer() as writer:
+        writer.save(out, params)
+    (out / MODEL_FILE).write_text(json.dumps({"step": step, "model": meta.get("model")}, indent=1))
+    return step, out
+
+
+def read_params(run_dir: str | Path, step: int | None = None) -> tuple[int, dict, dict]:
+    """(step, metadata, parameters as host arrays) of checkpoint `step` of `run_dir` (default: the newest
+    whose files verify against their checksums; each newer one is set aside with a warning, as a resume
+    does). Raises a one-line CheckpointError when there is none."""
     if not (Path(run_dir) / "checkpoints").is_dir():  # checked first: opening one would create it
         raise CheckpointError(f"{Path(run_dir).absolute()} holds no checkpoints/; check the run directory")
     ckpt = Checkpoints(run_dir, keep=1 << 30)  # keeps everything: reading must never delete a checkpoint
@@ -34,13 +45,10 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
         if found is None or (step is not None and found[0] != step):
             which = "readable checkpoint" if step is None else f"readable checkpoint of step {step}"
             raise CheckpointError(f"{ckpt.directory} holds no {which}; check the run directory")
-        step, (meta, params) = found
     finally:
         ckpt.close()
-    with ocp.StandardCheckpointer() as writer:
-        writer.save(out, params)
-    (out / MODEL_FILE).write_text(json.dumps({"step": step, "model": meta.get("model")}, indent=1))
-    return step, out
+    step, (meta, params) = found
+    return step, meta, params
 
 
 def load_params(path: str | Path, like: nnx.State) -> nnx.State:

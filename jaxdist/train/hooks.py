@@ -2,8 +2,9 @@
 
 `source` builds the configured data, `Loader` reads it (jaxdist.train.shards),
 `evaluator` gives the validation loss when `run.eval_every` asks for it,
-`check_same_data` warns when a resumed run's data changed, and `print_sample`
-ends a run with generated text.
+`check_same_data` warns when a resumed run's data changed, `samples_before` says
+where a resumed run's data stream continues, and `print_sample` ends a run with
+generated text (`check_sample_prompt` refuses its prompt before training).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from jaxdist.train import data as data_lib
 from jaxdist.train.config import ConfigError, TrainConfig
 from jaxdist.train.evaluate import Evaluator
 from jaxdist.train.gpt import GPT, GPTConfig
-from jaxdist.train.shards import Loader, ShardData, load_tokenizer
+from jaxdist.train.report import warn
+from jaxdist.train.shards import Loader, ShardData, data_changes, load_tokenizer
 
-__all__ = ["Loader", "source", "evaluator", "check_same_data", "print_sample"]
+__all__ = ["Loader", "source", "evaluator", "check_same_data", "samples_before", "check_sample_prompt", "print_sample"]
 
 
 def source(cfg: TrainConfig, split: str, model: GPTConfig, out_dir: Path):
@@ -46,10 +48,34 @@ def evaluator(cfg: TrainConfig, model: GPTConfig, out_dir: Path, sharding) -> Ev
 
 
 def check_same_data(meta: dict, data) -> None:
-    """Batches are a function of (seed, step, data): say so when a checkpoint was made on other data."""
+    """Batches are a function of (seed, step, data): say so when a checkpoint was made on other data
+    (by content: the same data moved elsewhere is the same data)."""
     saved = meta.get("data")
-    if saved is not None and saved != data.state() and jax.process_index() == 0:
-        print(f"jaxdist: the data changed since the checkpoint ({saved} -> {data.state()}); batches differ from before")
+    if saved is not None and (changes := data_changes(saved, data.state())):
+        warn(f"the data changed since the checkpoint ({'; '.join(changes)}); batches differ from before")
+
+
+def samples_before(meta: dict | None, step: int, batch_size: int) -> int:
+    """How many samples of the data stream the steps before `step` read, by the checkpoint of `step` (its
+    record, or its config's batch size for a checkpoint of an older jaxdist); 0 for a new run."""
+    if meta is None:
+        return 0
+    if "data_samples" in meta:
+        return meta["data_samples"]
+    return step * ((meta.get("config") or {}).get("data") or {}).get("batch_size", batch_size)
+
+
+def check_sample_prompt(cfg: TrainConfig, model: GPTConfig, data) -> None:
+    """Refuse a run.sample_prompt the end-of-run sample could not use now, not after training."""
+    if cfg.run.sample_tokens <= 0:
+        return
+    from jaxdist.train.sample import prompt_ids
+
+    tokenizer = load_tokenizer(data.directory) if isinstance(data, ShardData) else None
+    try:
+        prompt_ids(tokenizer, cfg.run.sample_prompt, model.vocab_size, option="run.sample_prompt")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def print_sample(cfg: TrainConfig, model: GPT, data) -> None:

@@ -175,6 +175,8 @@ def prepare(
         raise ValueError("give --tokenizer FILE or --train-bpe VOCAB, not both")
     if shard_tokens < 1:
         raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give the directory to write (one that does not exist or is empty)")
     if out.exists() and any(out.iterdir()) and not replace:
         raise ValueError(f"{out} exists and is not empty; remove it or choose another --out")
     files = _inputs(inputs)
@@ -185,7 +187,10 @@ def prepare(
 
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise ValueError(f"cannot write {out} ({e.strerror}); choose an --out you can write to") from None
     try:
         writers = {split: ShardWriter(tmp, split, dtype, shard_tokens) for split in SPLITS}
         bar = _bar(sum(sizes), progress)
@@ -261,14 +266,28 @@ def ensure_prepared(
         try:
             train_bpe = int(tokenizer[4:])
         except ValueError:
-            raise ValueError(f"data.tokenizer={tokenizer!r}: write bpe:N with a vocabulary size N (bpe:512)") from None
+            train_bpe = -1
+        if train_bpe < tokenize.MIN_BPE_VOCAB:  # the run's settings named, not prepare-data's flags
+            raise ValueError(
+                f"data.tokenizer={tokenizer!r}: write bpe:N with a vocabulary size N >= {tokenize.MIN_BPE_VOCAB} "
+                "(bpe:512)"
+            )
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
     spec = "bytes" if train_bpe else tokenizer
     files = _inputs(inputs)
     source = f"bpe:{train_bpe}" if train_bpe else (spec if spec == "bytes" else str(Path(spec).absolute()))
-    wanted = {"inputs": source_record(files), "tokenizer_source": source, "val_fraction": val_fraction}
+    # the inputs by content: the same text moved or renamed prepares the same shards, so they are reused
+    contents = lambda inputs: [{k: v for k, v in f.items() if k != "path"} for f in inputs]
+    wanted = {"inputs": contents(source_record(files)), "tokenizer_source": source, "val_fraction": val_fraction}
     index_path = out / INDEX
     if index_path.is_file():
-        index = json.loads(index_path.read_text())
+        try:
+            index = json.loads(index_path.read_text())
+        except ValueError:  # damaged (an interrupted copy): prepared again below
+            index = {}
+        index = index if isinstance(index, dict) else {}
+        index["inputs"] = contents(index.get("inputs", []))
         if all(index.get(k) == v for k, v in wanted.items()):
             return out
     prepare(files, out, tokenizer=spec, train_bpe=train_bpe, val_fraction=val_fraction, progress=progress, replace=True)

@@ -5,13 +5,15 @@ split is the `seq_len + 1` tokens starting at r * stride. The global batch of
 step s holds samples s*B .. s*B + B - 1 of an endless stream in which epoch e is
 a permutation of all rows seeded by (seed, e) (grain's `shuffle` then `repeat`).
 So a batch depends only on (seed, step) and the data, never on what was read
-before: the loader's whole state is the step number, a resumed run continues
-exactly where it stopped, and it does so for any process count, because each
-process reads only the rows of the global batch its devices hold.
+before: the loader's whole state is the step number (and, after a resume with
+another batch size, the sample the stream continues from: an offset), a resumed
+run continues exactly where it stopped, and it does so for any process count,
+because each process reads only the rows of the global batch its devices hold.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from collections.abc import Iterator, Sequence
@@ -29,15 +31,47 @@ def read_index(directory: str | Path) -> dict:
     path = Path(directory) / prepare_lib.INDEX
     if not path.is_file():
         raise ValueError(f"{directory} has no {prepare_lib.INDEX}; make it with: jaxdist prepare-data FILES --out DIR")
-    index = json.loads(path.read_text())
-    if index.get("format") != prepare_lib.FORMAT:
+    try:
+        index = json.loads(path.read_text())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ValueError(f"{path} is damaged ({e}); prepare the data again") from None
+    if not isinstance(index, dict) or index.get("format") != prepare_lib.FORMAT:
         raise ValueError(f"{path} is not a {prepare_lib.FORMAT} index; prepare the data again")
     return index
+
+
+# what index.json records about where things were (the inputs' paths, a tokenizer file's path), not what the data is
+_WHERE_KEYS = ("tokenizer_source",)
+
+
+def content_id(directory: str | Path) -> str:
+    """SHA-256 of what a data directory holds, wherever it lies: its index without the paths it records
+    (preparing is deterministic from the inputs' contents, which the index records by SHA-256, and the
+    options) and its tokenizer file. Moving or copying the directory keeps it; other data changes it."""
+    index = {k: v for k, v in read_index(directory).items() if k not in _WHERE_KEYS}
+    index["inputs"] = [{k: v for k, v in f.items() if k != "path"} for f in index.get("inputs", [])]
+    digest = hashlib.sha256(json.dumps(index, sort_keys=True).encode())
+    tokenizer_file = Path(directory) / tokenize.TOKENIZER_FILE
+    if tokenizer_file.is_file():
+        digest.update(tokenizer_file.read_bytes())
+    return digest.hexdigest()
 
 
 def load_tokenizer(directory: str | Path):
     """The tokenizer a prepared data directory was made with."""
     return tokenize.load(directory, read_index(directory)["tokenizer"])
+
+
+def _open_shard(path: Path, dtype: np.dtype, tokens: int) -> np.memmap:
+    """The shard `path` memory-mapped, checked to hold the `tokens` its index records."""
+    size = path.stat().st_size if path.is_file() else None
+    if size != tokens * dtype.itemsize:
+        have = "is missing" if size is None else f"has {size} bytes"
+        raise ValueError(
+            f"shard {path} {have}, the index says {tokens} {dtype.name} tokens ({tokens * dtype.itemsize} bytes); "
+            "the data directory is damaged: prepare it again with jaxdist prepare-data"
+        )
+    return np.memmap(path, dtype=dtype, mode="r")
 
 
 class TokenShards:
@@ -47,11 +81,10 @@ class TokenShards:
         self.directory = Path(directory)
         index = read_index(directory)
         dtype = np.dtype(index["dtype"]).newbyteorder("<")
+        if split not in index.get("splits", {}):
+            raise ValueError(f"{directory} has no {split} split; prepare the data with jaxdist prepare-data")
         shards = [s for s in index["splits"][split]["shards"] if s["tokens"]]
-        self.maps = [np.memmap(self.directory / s["file"], dtype=dtype, mode="r") for s in shards]
-        for m, s in zip(self.maps, shards, strict=True):
-            if len(m) != s["tokens"]:
-                raise ValueError(f"{self.directory / s['file']} has {len(m)} tokens, the index says {s['tokens']}")
+        self.maps = [_open_shard(self.directory / s["file"], dtype, s["tokens"]) for s in shards]
         self.starts = np.cumsum([0] + [len(m) for m in self.maps])
 
     def __len__(self) -> int:
@@ -103,7 +136,11 @@ class ShardData:
         self.width = seq_len + 1
         if len(self.windows) == 0:
             have = len(self.windows.tokens)
-            fix = "raise --val-fraction when preparing" if split == "val" else "give more text"
+            fix = (
+                "raise data.val_fraction (or --val-fraction of jaxdist prepare-data)"
+                if split == "val"
+                else "give more text"
+            )
             raise ValueError(f"the {split} split of {directory} has {have} tokens, fewer than seq_len + 1; {fix}")
 
     def samples(self) -> grain.MapDataset:
@@ -115,16 +152,31 @@ class ShardData:
             rows = rows.shuffle(seed=(self.seed * 0x9E3779B1 + 1) % 2**32)
         return rows.repeat()
 
-    def dataset(self, batch_size: int, rows: Sequence[int]) -> grain.MapDataset:
-        """Element s: {"tokens": the given `rows` of global batch s}, shape (len(rows), seq_len + 1)."""
+    def dataset(self, batch_size: int, rows: Sequence[int], offset: int = 0) -> grain.MapDataset:
+        """Element s: {"tokens": the given `rows` of global batch s}, shape (len(rows), seq_len + 1): samples
+        offset + s * batch_size + row of the stream (a run resumed with another batch size shifts them)."""
         samples, rows = self.samples(), list(rows)
         return grain.MapDataset.range(0, sys.maxsize).map(
-            lambda step: {"tokens": np.stack([samples[step * batch_size + r] for r in rows])}
+            lambda step: {"tokens": np.stack([samples[offset + step * batch_size + r] for r in rows])}
         )
 
     def state(self) -> dict:
-        """What the batches depend on besides the step (saved with checkpoints, checked on resume)."""
-        return {"dir": str(self.directory.absolute()), "rows": len(self.windows), "tokens": len(self.windows.tokens)}
+        """What the batches depend on besides the step (saved with checkpoints, checked on resume by
+        `data_changes`): the data's content, not where it lies ("dir" only says where it was read)."""
+        return {
+            "dir": str(self.directory.absolute()),
+            "rows": len(self.windows),
+            "tokens": len(self.windows.tokens),
+            "content": content_id(self.directory),
+            "seed": self.seed,  # the order of the rows
+        }
+
+
+def data_changes(saved: dict, now: dict) -> list[str]:
+    """The keys of a checkpoint's data state (`state()`) whose values differ now, as "key: old -> new".
+    The directory is left out (moved data is the same data); a key an older jaxdist did not record
+    ("content") is not compared."""
+    return [f"{k}: {saved[k]} -> {now.get(k)}" for k in sorted(saved) if k != "dir" and saved[k] != now.get(k)]
 
 
 class StepData:
@@ -133,14 +185,16 @@ class StepData:
     def __init__(self, source):
         self.source, self.width = source, source.seq_len + 1
 
-    def dataset(self, batch_size: int, rows: Sequence[int]) -> grain.MapDataset:
+    def dataset(self, batch_size: int, rows: Sequence[int], offset: int = 0) -> grain.MapDataset:
+        """Element s: the given `rows` of `source.batch(s)`: drawn afresh for each step, whatever the batch
+        size, so `offset` (where a stream of samples would continue) has nothing to shift."""
         rows = np.asarray(rows)
         return grain.MapDataset.range(0, sys.maxsize).map(
             lambda step: {k: v[rows] for k, v in self.source.batch(step, batch_size).items()}
         )
 
     def state(self) -> dict:
-        return {"source": type(self.source).__name__}
+        return {"source": type(self.source).__name__, "seed": self.source.seed}
 
 
 class Loader:
@@ -153,14 +207,15 @@ class Loader:
         self.rows = device_rows(sharding, self.shape, sharding.addressable_devices)
         self.position = {row: i for i, row in enumerate(self.rows)}
 
-    def local_batches(self, start: int) -> Iterator[dict]:
-        """This process's rows of the batches of steps start, start + 1, ... (numpy, prefetched)."""
-        dataset = self.data.dataset(self.batch_size, self.rows)[start:]
+    def local_batches(self, start: int, offset: int = 0) -> Iterator[dict]:
+        """This process's rows of the batches of steps start, start + 1, ... (numpy, prefetched); `offset`
+        shifts the samples (see `ShardData.dataset`)."""
+        dataset = self.data.dataset(self.batch_size, self.rows, offset)[start:]
         return iter(dataset.to_iter_dataset(self.read_options))
 
-    def batches(self, start: int) -> Iterator[dict]:
+    def batches(self, start: int, offset: int = 0) -> Iterator[dict]:
         """The global batches of steps start, start + 1, ... as sharded jax.Arrays."""
-        for local in self.local_batches(start):
+        for local in self.local_batches(start, offset):
             yield self.place(local)
 
     def place(self, local: dict) -> dict:

@@ -15,6 +15,7 @@ import numpy as np
 
 END_OF_TEXT = "<|endoftext|>"  # separates documents where the vocabulary has it (GPT-2's name)
 TOKENIZER_FILE = "tokenizer.json"
+MIN_BPE_VOCAB = 258  # the 256 bytes and two special tokens
 
 
 class ByteTokenizer:
@@ -79,8 +80,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> JSONTokenizer:
     """A byte-level BPE (GPT-2's scheme) with `vocab_size` entries learnt from `texts`, plus END_OF_TEXT."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < 258:
-        raise ValueError(f"--train-bpe {vocab_size} is too small; a byte-level BPE needs at least 258 (256 bytes + 2)")
+    if vocab_size < MIN_BPE_VOCAB:
+        raise ValueError(
+            f"--train-bpe {vocab_size} is too small; a byte-level BPE needs at least {MIN_BPE_VOCAB} (256 bytes + 2)"
+        )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

@@ -117,6 +117,7 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
 
     p, o = cfg.parallel, cfg.optim
     clip = o.max_grad_norm if o.max_grad_norm > 0 else None
+    comm_dtype = _comm_dtype(cfg)
     if o.accumulation_steps > 1 and (p.tp > 1 or p.fsdp > 1):
         raise ConfigError("optim.accumulation_steps > 1 works with DDP only; set it to 1 or use fsdp=tp=1")
     if p.backend not in ("xla", "nccl"):
@@ -140,6 +141,7 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
             remat=_remat_option(p.remat),
             buffers=p.buffers,
             prefetch=p.buffers - 1,
+            compute_dtype=comm_dtype,
             max_grad_norm=clip,
             backend=p.backend,
         )
@@ -153,6 +155,7 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
             prefetch=p.buffers - 1,
             update_in_backward=p.update_in_backward,
             remat=_remat_option(p.remat),
+            compute_dtype=comm_dtype,
             max_grad_norm=None if p.update_in_backward else clip,
             skip_nonfinite=not p.update_in_backward,
             backend=p.backend,
@@ -168,10 +171,17 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
         zero1=p.zero1,
         bucket_bytes=int(p.bucket_mb * 2**20),
         accumulation_steps=o.accumulation_steps,
+        reduce_dtype=comm_dtype,  # the parameters stay whole in their dtype: ZeRO-1 gathers the master copy
         max_grad_norm=clip,
         backend=p.backend,
     )
     return strategy.prepare(model, optimizer, next_token_loss, batch)
+
+
+def _comm_dtype(cfg: TrainConfig) -> np.dtype | None:
+    """`parallel.comm_dtype` as the strategies' option: compute is model.dtype (the cast the model makes at
+    use, made before the collective instead), param is None (the parameters' own dtype)."""
+    return jnp.dtype(cfg.model.dtype) if cfg.parallel.comm_dtype == "compute" else None
 
 
 def _remat_option(value: bool | str) -> bool | None:
@@ -190,12 +200,14 @@ def _pipelined(cfg: TrainConfig, mesh, model: GPT, optimizer, batch, clip):
             raise ConfigError(f"parallel.{key} does not work with parallel.pp > 1 yet; set it to {str(off).lower()}")
     if cfg.optim.accumulation_steps > 1:
         raise ConfigError("optim.accumulation_steps > 1 works with DDP only; parallel.microbatches splits a pp step")
+    comm_dtype = _comm_dtype(cfg)
     try:
         strategy = Pipelined(
             mesh,
             plan=tp_plan_for(model.cfg) if p.tp > 1 else None,
             zero1=p.zero1,
             remat=_remat_option(p.remat),
+            compute_dtype=comm_dtype,
             max_grad_norm=clip,
             backend=p.backend,
             microbatches=p.microbatches,
@@ -282,6 +294,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     mcfg = model_config(cfg)
     out_dir = run_dir.prepare(cfg.run)
     source = hooks.source(cfg, "train", mcfg, out_dir)
+    hooks.check_sample_prompt(cfg, mcfg, source)
     batch_axes = tuple(n for n in mesh.axis_names if n not in ("tp", "pp"))
     batch_sharding = NamedSharding(mesh, P(batch_axes))
     n_batch = int(np.prod([mesh.shape[a] for a in batch_axes])) * cfg.optim.accumulation_steps
@@ -317,7 +330,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     run = parallelize(cfg, mesh, model, optimizer, example)
     state = run.state
     if found is not None:
-        start, state = _restore_state(ckpt, start, run, model_meta)
+        start, (state, meta) = _restore_state(ckpt, start, run, model_meta)
         saved_in = meta.get("layout")
         moved = f" (saved in layout {saved_in}, converted to {layout})" if saved_in != layout else ""
         info(f"resumed from {ckpt.directory} at step {start}{moved}")
@@ -348,7 +361,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
         if ckpt is not None and step > start and step != ckpt.latest():
             jax.block_until_ready(state)  # the queued steps' compute is not the checkpoint's
             began = time.perf_counter()
-            ckpt.save(step, run.canonical(state), {**meta_out, "step": step})
+            samples = first_sample + (step - start) * cfg.data.batch_size  # where the data stream continues
+            ckpt.save(step, run.canonical(state), {**meta_out, "step": step, "data_samples": samples})
             waited = time.perf_counter() - began
             held["window"] += waited
             held["saves"] += 1
@@ -359,7 +373,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     summary = _Summary()
     window_start, window_tokens = time.perf_counter(), 0
     guard = StepWatchdog(timeout_from(cfg.run.step_timeout_s), out_dir, process_index=jax.process_index())
-    batches = loader.batches(start)  # the data's whole state is the step: see jaxdist.train.shards
+    # the data's state is the step (see jaxdist.train.shards) and the samples read before it: a resume with
+    # another data.batch_size continues the stream at the next sample, skipping and repeating none
+    first_sample = hooks.samples_before(meta, start, cfg.data.batch_size)
+    batches = loader.batches(start, offset=first_sample - start * cfg.data.batch_size)
     stop = _StopRequests()
     try:
         for step in range(start, end):
@@ -482,12 +499,13 @@ def _newest_meta(ckpt: Checkpoints, model_meta: dict):
 
 
 def _restore_state(ckpt: Checkpoints, start: int, run, model_meta: dict):
-    """(step, state) of the newest checkpoint at or before `start` that restores: its canonical state read
-    into this run's canonical shardings, converted to the run's own layout (any layout saved it)."""
+    """(step, (state, metadata)) of the newest checkpoint at or before `start` that restores: its canonical
+    state read into this run's canonical shardings, converted to the run's own layout (any layout saved it)."""
 
     def read(step: int):
-        check_same_model(ckpt.meta(step), model_meta, ckpt.directory)
-        return run.from_canonical(ckpt.restore(step, run.canonical_target()))
+        meta = ckpt.meta(step)
+        check_same_model(meta, model_meta, ckpt.directory)
+        return run.from_canonical(ckpt.restore(step, run.canonical_target())), meta
 
     found = ckpt.newest_readable(read, below=start + 1)
     if found is None:
