@@ -205,3 +205,28 @@ def test_rank_major_segments_hold_each_ranks_chunks():
     back = unpack(layout, pack(layout, params))
     for k in params:
         np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(params[k]))
+
+
+def test_a_parameter_that_fills_its_segment_unpacks_exactly():
+    """One parameter per rank-major bucket, each chunk the whole segment (no gaps, no padding): the
+    unpack is a reshape of the buffer, along the first dimension and along a later one."""
+    rng = np.random.default_rng(1)
+    params = {
+        "w": jnp.asarray(rng.normal(size=(4, 64)), jnp.float32),
+        "v": jnp.asarray(rng.normal(size=(3, 128)), jnp.float32),
+    }
+    layout = bucket_layout(params, 2, bucket_size=1, rank_major=True)
+    assert all(len(b.slots) == 1 and b.chunk(b.slots[0]) == b.segment for b in layout.buckets)
+    assert sorted(b.slots[0].dim for b in layout.buckets) == [0, 1]  # w splits rows, v columns
+    back = unpack(layout, pack(layout, params))
+    for k in params:
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(params[k]))
+    leaves = layout.treedef.flatten_up_to(params)
+    for bucket in layout.buckets:
+        s = bucket.slots[0]
+        flat = pack_bucket(bucket, leaves)
+        for r in range(2):
+            n = s.shape[s.dim] // 2
+            want = np.take(np.asarray(leaves[s.leaf]), range(r * n, (r + 1) * n), axis=s.dim)
+            got = unpack_shard(bucket, flat[r * bucket.segment : (r + 1) * bucket.segment])[s.leaf]
+            np.testing.assert_array_equal(np.asarray(got), want)

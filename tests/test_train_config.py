@@ -218,6 +218,8 @@ def test_comm_dtype_compute_gathers_what_the_model_computes_with():
     outs = [run.step(run.state, {"tokens": rows}) for run in runs]
     (s_param, m_param), (s_compute, m_compute) = outs
     assert runs[0].cfg.compute_dtype is None and float(m_param["loss"]) == float(m_compute["loss"])
+    # the gradients' scale is the same: a sum where a mean is due would show in the norm (Adam's step would not)
+    np.testing.assert_allclose(float(m_compute["grad_norm"]), float(m_param["grad_norm"]), rtol=1e-2)
     moved = [jax.tree.leaves(runs[i].params(s)) for i, s in enumerate((s_param, s_compute))]
     for b, p, c in zip(before, *moved, strict=True):
         step = np.abs(np.asarray(p, np.float32) - b).max()
