@@ -33,6 +33,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -392,11 +393,31 @@ class Checkpoints:
 # how the model computes, chosen by the platform (flash attention on NVIDIA GPUs): not what a checkpoint holds,
 # so a GPU run's checkpoint resumes on CPU and back
 PLATFORM_KEYS = ("attention",)
+DTYPE_KEYS = ("dtype", "param_dtype")
+
+
+def dtype_name(value) -> str:
+    """A dtype's name ("float32", "bfloat16"), also of the text an older jaxdist recorded for a scalar type
+    ("<class 'jax.numpy.float32'>")."""
+    if isinstance(value, str):
+        value = re.findall(r"\w+", value)[-1]
+    return jax.numpy.dtype(value).name
+
+
+def model_record(model: dict) -> dict:
+    """A model config (`dataclasses.asdict(GPTConfig)`) as JSON: dtypes by name, so `GPTConfig(**record)` builds it."""
+    return {k: dtype_name(v) if k in DTYPE_KEYS and v is not None else v for k, v in model.items()}
+
+
+def _model_identity(model):
+    """What makes two model records the same model: the config without the platform's choices."""
+    if not isinstance(model, dict):
+        return model
+    return {k: v for k, v in model_record(model).items() if k not in PLATFORM_KEYS}
 
 
 def check_same_model(meta: dict, model: dict, directory: Path) -> None:
-    identity = lambda m: {k: v for k, v in m.items() if k not in PLATFORM_KEYS} if isinstance(m, dict) else m
-    if identity(meta.get("model")) != identity(model):
+    if _model_identity(meta.get("model")) != _model_identity(model):
         saved = json.dumps(meta.get("model"), sort_keys=True)
         raise ConfigError(
             f"the checkpoint in {directory} is for another model ({saved}); use a new run.out_dir, "

@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxdist.train.checkpoint import CheckpointError, Checkpoints
+from jaxdist.train.checkpoint import PLATFORM_KEYS, CheckpointError, Checkpoints, model_record
 
 MODEL_FILE = "jaxdist_model.json"
 
@@ -27,8 +27,16 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
     step, meta, params = read_params(run_dir, step)
     with ocp.StandardCheckpointer() as writer:
         writer.save(out, params)
-    (out / MODEL_FILE).write_text(json.dumps({"step": step, "model": meta.get("model")}, indent=1))
+    (out / MODEL_FILE).write_text(json.dumps({"step": step, "model": exported_model(meta.get("model"))}, indent=1))
     return step, out
+
+
+def exported_model(model: dict | None) -> dict | None:
+    """A checkpoint's model record as `GPTConfig(**record)` takes it: dtypes by name, without the choices of the
+    platform that trained it (flash attention on GPUs), which the loading platform makes again."""
+    if model is None:
+        return None
+    return {k: v for k, v in model_record(model).items() if k not in PLATFORM_KEYS}
 
 
 def read_params(run_dir: str | Path, step: int | None = None) -> tuple[int, dict, dict]:

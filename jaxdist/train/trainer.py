@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.train import hooks, run_dir
 from jaxdist.train import schedule as schedule_lib
-from jaxdist.train.checkpoint import CheckpointError, Checkpoints, check_same_model
+from jaxdist.train.checkpoint import CheckpointError, Checkpoints, check_same_model, model_record
 from jaxdist.train.config import ConfigError, TrainConfig, validate
 from jaxdist.train.decay_mask import adamw, decay_mask
 from jaxdist.train.gpt import FLAVORS, GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for
@@ -304,7 +304,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
             f"{' x accumulation steps' if cfg.optim.accumulation_steps > 1 else ''}; pick a multiple of {n_batch}"
         )
 
-    model_meta = {k: (str(v) if k == "dtype" or k == "param_dtype" else v) for k, v in dataclasses.asdict(mcfg).items()}
+    model_meta = model_record(dataclasses.asdict(mcfg))
     layout = layout_of(cfg, mesh)
     keep, compress = cfg.run.keep_checkpoints, cfg.run.checkpoint_compress
     ckpt = Checkpoints(out_dir, keep, compress=compress) if cfg.run.checkpoint_every >= 0 else None
