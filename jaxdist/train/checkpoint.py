@@ -175,16 +175,25 @@ class Checkpoints:
     the arrays (orbax's default): a float32 train state shrinks by ~8% and is written ~2x slower, so
     it is off unless asked for; a checkpoint of either kind restores."""
 
-    def __init__(self, directory: str | Path, keep: int, compress: bool = False):
+    def __init__(self, directory: str | Path, keep: int, compress: bool = False, read_only: bool = False):
         self.directory = Path(directory).absolute() / "checkpoints"
         self.unreadable_dir = self.directory.with_name("checkpoints.unreadable")
-        options = ocp.CheckpointManagerOptions(max_to_keep=max(1, keep), create=True, enable_async_checkpointing=True)
+        # read_only: a reader of a run another process may be training (sample, export) changes nothing in it
+        self.read_only = read_only
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max(1, keep), create=not read_only, read_only=read_only, enable_async_checkpointing=True
+        )
         handlers = {"state": ocp.PyTreeCheckpointHandler(use_compression=compress), "meta": ocp.JsonCheckpointHandler()}
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._quiet = _DropOrbaxLogs()
+        absl_logger = logging.getLogger("absl")
+        absl_logger.addFilter(self._quiet)  # read_only: orbax warns that it is, and which options it ignores
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        finally:
+            absl_logger.removeFilter(self._quiet)
         self.pending: int | None = None  # the step whose save is in flight
         self._finishing: threading.Thread | None = None  # waits for orbax, then writes the checksums
         self._finish_error: BaseException | None = None
-        self._quiet = _DropOrbaxLogs()
         self._verified: set[int] = set()  # steps whose files matched their checksums (a resume reads twice)
         self._unverified: dict[int, str] = {}  # steps whose checksum file (this name) could not be read
 
@@ -288,7 +297,8 @@ class Checkpoints:
 
     def newest_readable(self, read: Callable[[int], T], below: int | None = None) -> tuple[int, T] | None:
         """`(step, read(step))` for the newest checkpoint (older than `below`, if given) that verifies and
-        reads; each newer one that fails is moved aside with a one-line warning. None if there is none."""
+        reads; each newer one that fails is moved aside with a one-line warning (read-only: left in place,
+        and one deleted meanwhile by the run's trainer skipped quietly). None if there is none."""
         steps = sorted((s for s in self.manager.all_steps() if below is None or s < below), reverse=True)
         for step in steps:
             reason = self._verdict(step)
@@ -304,7 +314,12 @@ class Checkpoints:
                             "it is left in place: free memory (or restore onto more devices) and resume"
                         ) from e
                     reason = _first_line(e)
-            self._set_aside(step, reason)
+            if not self.read_only:
+                self._set_aside(step, reason)
+            elif (self.directory / str(step)).is_dir():
+                self._unverified.pop(step, None)
+                where = self.directory / str(step)
+                warn(f"checkpoint {where} is unreadable ({reason}); left in place, the previous one is used")
         return None
 
     def _verdict(self, step: int) -> str | None:

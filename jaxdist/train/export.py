@@ -41,11 +41,12 @@ def exported_model(model: dict | None) -> dict | None:
 
 def read_params(run_dir: str | Path, step: int | None = None) -> tuple[int, dict, dict]:
     """(step, metadata, parameters as host arrays) of checkpoint `step` of `run_dir` (default: the newest
-    whose files verify against their checksums; each newer one is set aside with a warning, as a resume
-    does). Raises a one-line CheckpointError when there is none."""
+    whose files verify against their checksums; each newer one is skipped with a warning and left in place).
+    Raises a one-line CheckpointError when there is none."""
     if not (Path(run_dir) / "checkpoints").is_dir():  # checked first: opening one would create it
         raise CheckpointError(f"{Path(run_dir).absolute()} holds no checkpoints/; check the run directory")
-    ckpt = Checkpoints(run_dir, keep=1 << 30)  # keeps everything: reading must never delete a checkpoint
+    # read-only: the run may be training meanwhile, and reading must never move or delete a checkpoint
+    ckpt = Checkpoints(run_dir, keep=1 << 30, read_only=True)
     try:
         found = ckpt.newest_readable(
             lambda s: (ckpt.meta(s), ckpt.restore_params(s)), below=None if step is None else step + 1

@@ -292,7 +292,11 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     devices = jax.devices()
     mesh = make_mesh(cfg, devices)
     mcfg = model_config(cfg)
-    out_dir = run_dir.prepare(cfg.run)
+    with run_dir.prepared(cfg.run) as out_dir:  # locked until the run ends: one trainer per run directory
+        return _train(cfg, stop_after, devices, mesh, mcfg, out_dir)
+
+
+def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTConfig, out_dir: Path) -> list[float]:
     source = hooks.source(cfg, "train", mcfg, out_dir)
     hooks.check_sample_prompt(cfg, mcfg, source)
     batch_axes = tuple(n for n in mesh.axis_names if n not in ("tp", "pp"))
