@@ -29,13 +29,14 @@ def _train(args) -> int:
     elif args.config:
         overrides.insert(0, args.config)
     from jaxdist.train.checkpoint import CheckpointError
+    from jaxdist.train.metrics import MetricsError
 
     try:
         cfg = config_lib.load(path, overrides)
         from jaxdist.train.trainer import train
 
         train(cfg)
-    except (config_lib.ConfigError, ValueError, CheckpointError) as e:
+    except (config_lib.ConfigError, ValueError, CheckpointError, MetricsError) as e:
         print(f"jaxdist train: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -10,7 +10,6 @@ otherwise DDP (ZeRO-1 unless parallel.zero1=false).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import sys
@@ -27,13 +26,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.train import hooks, run_dir
+from jaxdist.train import metrics as metrics_lib
 from jaxdist.train import schedule as schedule_lib
 from jaxdist.train.checkpoint import CheckpointError, Checkpoints, check_same_model, model_record
 from jaxdist.train.config import ConfigError, TrainConfig, validate
 from jaxdist.train.decay_mask import adamw, decay_mask
 from jaxdist.train.gpt import FLAVORS, GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for
 from jaxdist.train.launch import initialize_args
-from jaxdist.train.report import info
+from jaxdist.train.report import info, warn
 from jaxdist.train.step_watchdog import StepWatchdog, timeout_from
 
 # Datasheet dense bf16 peak, FLOP/s, by device kind: the MFU denominator of Megatron, torchtitan
@@ -252,10 +252,9 @@ class MetricsLog:
         self.file = None
         if self.enabled:
             # rows of steps after `start` belong to an attempt that did not reach a checkpoint: they are trained again
-            path = out_dir / "metrics.jsonl"
-            kept = [line for line in _lines(path) if json.loads(line)["step"] <= start]
-            path.write_text("".join(line + "\n" for line in kept))
-            self.file = path.open("a")
+            path = out_dir / metrics_lib.FILE
+            metrics_lib.rewrite(path, [r for r in metrics_lib.read_rows(path, warn) if r["step"] <= start])
+            self.file = metrics_lib.RowWriter(path)
         self.tb = None
         if tensorboard and self.enabled:
             try:
@@ -267,8 +266,7 @@ class MetricsLog:
     def write(self, row: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        self.file.write(row)  # one write of the whole line: a crash never leaves half a row before the next
         if self.tb:
             for k, v in row.items():
                 if isinstance(v, int | float) and k != "step" and v is not None:
@@ -410,6 +408,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTCon
                     "skipped": bool(_host(metrics["skipped"])) if "skipped" in metrics else False,
                     # the previous save still writing, then the copy off the devices (in this window's time)
                     "checkpoint_s": held["window"] if ckpt is not None and cfg.run.checkpoint_every > 0 else None,
+                    "includes_compile": True if step == start else None,  # its tokens_per_s is not the run's pace
                 }
                 if evaluate:
                     row["val_loss"] = evaluator(run.model(state))
@@ -473,10 +472,6 @@ class _StopRequests:
     def close(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-
-
-def _lines(path: Path) -> list[str]:
-    return [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def _has_grad_norm(cfg: TrainConfig, metrics: dict) -> bool:
