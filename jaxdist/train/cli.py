@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("run_dir")
     ex.add_argument("out", help="the directory to write (must not exist)")
     ex.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest readable)")
-    pl = sub.add_parser("plot", help="draw loss and throughput of a run to RUN_DIR/curves.png")
+    pl = sub.add_parser(
+        "plot", help="draw the loss, throughput, learning rate and gradient norm curves of a run to RUN_DIR/curves.png"
+    )
     pl.add_argument("run_dir")
     _add_data_commands(sub)
     args = ap.parse_args(argv)
