@@ -29,7 +29,6 @@ without fsync, and the next save waits for both).
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -48,7 +47,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxdist.train.config import ConfigError
-from jaxdist.train.report import warn
+from jaxdist.train.report import disk_full, warn, write_problem
 
 CHECKSUMS = "jaxdist_checksums.v2.json"  # per-piece CRCs; a new name, so an older jaxdist does not misread it
 CHECKSUMS_V1 = "jaxdist_checksums.json"  # per-file CRCs, written by jaxdist before the per-piece form
@@ -154,7 +153,10 @@ def _whole_file_crc(path: Path) -> int:
 
 
 def _out_of_memory(e: BaseException) -> bool:
-    """Whether `e` is the host or a device running out of memory (XLA says RESOURCE_EXHAUSTED)."""
+    """Whether `e` is the host or a device running out of memory (XLA says RESOURCE_EXHAUSTED, as tensorstore
+    does for a full disk)."""
+    if disk_full(e):
+        return False
     return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
 
 
@@ -163,11 +165,32 @@ def _first_line(e: BaseException) -> str:
     return text.strip().splitlines()[0][:200]
 
 
-class _DropOrbaxLogs(logging.Filter):
-    """Orbax logs a failed background write several times with tracebacks; the save raises it once, on one line."""
+class DropOrbaxLogs(logging.Filter):
+    """Orbax logs a failed background write several times with tracebacks (and asyncio logs each of its
+    futures whose error nobody read, at exit); the save raises it once, on one line."""
+
+    LOGGERS = ("absl", "asyncio")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "orbax" not in record.pathname
+        return "orbax" not in record.pathname and not _raised_in_orbax(record)
+
+    def attach(self) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+
+    def detach(self) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+
+
+def _raised_in_orbax(record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    tb = error.__traceback__ if error is not None else None
+    while tb is not None:
+        if "orbax" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 class Checkpoints:
@@ -180,17 +203,16 @@ class Checkpoints:
         self.unreadable_dir = self.directory.with_name("checkpoints.unreadable")
         # read_only: a reader of a run another process may be training (sample, export) changes nothing in it
         self.read_only = read_only
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=max(1, keep), create=not read_only, read_only=read_only, enable_async_checkpointing=True
-        )
         handlers = {"state": ocp.PyTreeCheckpointHandler(use_compression=compress), "meta": ocp.JsonCheckpointHandler()}
-        self._quiet = _DropOrbaxLogs()
-        absl_logger = logging.getLogger("absl")
-        absl_logger.addFilter(self._quiet)  # read_only: orbax warns that it is, and which options it ignores
+        self._quiet = DropOrbaxLogs()
+        self._quiet.attach()  # read_only: orbax warns that it is, and which options it ignores
         try:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=max(1, keep), create=not read_only, read_only=read_only, enable_async_checkpointing=True
+            )
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         finally:
-            absl_logger.removeFilter(self._quiet)
+            self._quiet.detach()
         self.pending: int | None = None  # the step whose save is in flight
         self._finishing: threading.Thread | None = None  # waits for orbax, then writes the checksums
         self._finish_error: BaseException | None = None
@@ -205,7 +227,7 @@ class Checkpoints:
         flight). Returns once the values are off the devices; a failure (e.g. a full disk) leaves no
         partial checkpoint and raises CheckpointError, here or at the next `save` / `wait`."""
         self.wait()
-        logging.getLogger("absl").addFilter(self._quiet)
+        self._quiet.attach()
         self.pending = step
         try:
             self.manager.save(
@@ -238,16 +260,17 @@ class Checkpoints:
         if error is not None:
             self._failed(error)
         self.pending = None
-        logging.getLogger("absl").removeFilter(self._quiet)
+        self._quiet.detach()
 
     def _failed(self, e: Exception):
         # the log filter stays: orbax's background threads log this failure again at exit
         step, self.pending = self.pending, None
         self._discard_partial(step)
-        hint = "free some space" if getattr(e, "errno", None) == errno.ENOSPC else "fix the cause"
+        full = disk_full(e)
+        where, hint = ("", "free some space") if full else (f" in {self.directory}", "fix the cause")
         raise CheckpointError(
-            f"could not save the checkpoint of step {step} in {self.directory}: {_first_line(e)}; {hint} "
-            "and run again to resume from the previous checkpoint"
+            f"could not save the checkpoint of step {step}{where}: {write_problem(e, self.directory)}; "
+            f"{hint} and run again to resume from the previous checkpoint"
         ) from None
 
     def _discard_partial(self, step: int, settle_s: float = 1.0, limit_s: float = 30.0) -> None:

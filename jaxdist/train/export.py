@@ -7,6 +7,7 @@ reads. The model's config goes next to it in OUT/jaxdist_model.json.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -14,7 +15,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxdist.train.checkpoint import PLATFORM_KEYS, CheckpointError, Checkpoints, model_record
+from jaxdist.train.checkpoint import PLATFORM_KEYS, CheckpointError, Checkpoints, DropOrbaxLogs, model_record
+from jaxdist.train.report import disk_full, write_problem
 
 MODEL_FILE = "jaxdist_model.json"
 
@@ -25,17 +27,30 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
     if out.exists():
         raise CheckpointError(f"{out} already exists; pick a new output path or remove it")
     step, meta, params = read_params(run_dir, step)
-    with ocp.StandardCheckpointer() as writer:
-        writer.save(out, params)
-    (out / MODEL_FILE).write_text(json.dumps({"step": step, "model": exported_model(meta.get("model"))}, indent=1))
+    record = json.dumps({"step": step, "model": exported_model(meta.get("model"))}, indent=1)
+    quiet = DropOrbaxLogs()  # orbax logs a failed write with tracebacks: it is raised below, on one line
+    quiet.attach()
+    try:
+        with ocp.StandardCheckpointer() as writer:
+            writer.save(out, params)
+        (out / MODEL_FILE).write_text(record)
+    except (OSError, ValueError) as e:  # a full disk (tensorstore: ValueError RESOURCE_EXHAUSTED; OSError ENOSPC)
+        for partial in (out, *out.parent.glob(f"{out.name}{ocp.path.atomicity_types.TMP_DIR_SUFFIX}*")):
+            shutil.rmtree(partial, ignore_errors=True)  # no partial export left to be loaded by mistake
+        hint = "free some space" if disk_full(e) else "fix the cause"
+        problem = write_problem(e, out.parent)
+        raise CheckpointError(f"could not write {out}: {problem}; {hint} and export again") from None
+    finally:
+        quiet.detach()
     return step, out
 
 
-def exported_model(model: dict | None) -> dict | None:
+def exported_model(model):
     """A checkpoint's model record as `GPTConfig(**record)` takes it: dtypes by name, without the choices of the
-    platform that trained it (flash attention on GPUs), which the loading platform makes again."""
-    if model is None:
-        return None
+    platform that trained it (flash attention on GPUs), which the loading platform makes again (a record that
+    is not a config, as a hand-made checkpoint may hold, as it is)."""
+    if not isinstance(model, dict):
+        return model
     return {k: v for k, v in model_record(model).items() if k not in PLATFORM_KEYS}
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxdist.train import tokenize
+from jaxdist.train.report import disk_full, write_problem
 
 FORMAT = "jaxdist-shards/1"
 INDEX = "index.json"
@@ -229,6 +230,11 @@ def prepare(
         elif out.exists():
             out.rmdir()  # empty (checked above)
         tmp.rename(out)
+    except OSError as e:
+        if not disk_full(e):
+            raise
+        # the partial shards go with `tmp`, below
+        raise ValueError(f"could not write {out}: {write_problem(e, out.absolute().parent)}; free some space") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return index
