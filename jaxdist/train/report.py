@@ -19,6 +19,13 @@ def warn(message: str) -> None:
         print(f"jaxdist: warning: {message}", file=sys.stderr, flush=True)
 
 
+def is_terminal(stream) -> bool:
+    """Whether progress bars may draw on `stream`: only a terminal shows carriage-return frames as one line
+    (in a log file or a pipe, as under `jaxdist launch`, every frame would stay), so elsewhere plain lines."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
 def disk_full(e: BaseException) -> bool:
     """Whether `e` is a write that found the disk full: ENOSPC, or the text orbax and tensorstore give it
     (`RESOURCE_EXHAUSTED: ... No space left on device`)."""

@@ -33,7 +33,7 @@ from jaxdist.train.config import ConfigError, TrainConfig, validate
 from jaxdist.train.decay_mask import adamw, decay_mask
 from jaxdist.train.gpt import FLAVORS, GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for
 from jaxdist.train.launch import initialize_args
-from jaxdist.train.report import info, warn
+from jaxdist.train.report import info, is_terminal, warn
 from jaxdist.train.step_watchdog import StepWatchdog, timeout_from
 
 # Datasheet dense bf16 peak, FLOP/s, by device kind: the MFU denominator of Megatron, torchtitan
@@ -543,7 +543,7 @@ class _progress:
     def __init__(self, cfg: TrainConfig, start: int, end: int):
         self.bar = None
         # a bar needs a terminal: under `jaxdist launch` (pipes) or in a log file, plain lines
-        self.plain = not cfg.run.progress or jax.process_index() != 0 or not sys.stderr.isatty()
+        self.plain = not cfg.run.progress or jax.process_index() != 0 or not is_terminal(sys.stderr)
         if not self.plain:
             from tqdm import tqdm
 
