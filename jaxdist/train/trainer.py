@@ -295,6 +295,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
 
 
 def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTConfig, out_dir: Path) -> list[float]:
+    """`train` in the locked run directory `out_dir`."""
     source = hooks.source(cfg, "train", mcfg, out_dir)
     hooks.check_sample_prompt(cfg, mcfg, source)
     batch_axes = tuple(n for n in mesh.axis_names if n not in ("tp", "pp"))
