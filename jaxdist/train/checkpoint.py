@@ -29,10 +29,10 @@ without fsync, and the next save waits for both).
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -47,7 +47,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxdist.train.config import ConfigError
-from jaxdist.train.report import warn
+from jaxdist.train.report import disk_full, warn, write_problem
 
 CHECKSUMS = "jaxdist_checksums.v2.json"  # per-piece CRCs; a new name, so an older jaxdist does not misread it
 CHECKSUMS_V1 = "jaxdist_checksums.json"  # per-file CRCs, written by jaxdist before the per-piece form
@@ -153,7 +153,10 @@ def _whole_file_crc(path: Path) -> int:
 
 
 def _out_of_memory(e: BaseException) -> bool:
-    """Whether `e` is the host or a device running out of memory (XLA says RESOURCE_EXHAUSTED)."""
+    """Whether `e` is the host or a device running out of memory (XLA says RESOURCE_EXHAUSTED, as tensorstore
+    does for a full disk)."""
+    if disk_full(e):
+        return False
     return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
 
 
@@ -162,11 +165,32 @@ def _first_line(e: BaseException) -> str:
     return text.strip().splitlines()[0][:200]
 
 
-class _DropOrbaxLogs(logging.Filter):
-    """Orbax logs a failed background write several times with tracebacks; the save raises it once, on one line."""
+class DropOrbaxLogs(logging.Filter):
+    """Orbax logs a failed background write several times with tracebacks (and asyncio logs each of its
+    futures whose error nobody read, at exit); the save raises it once, on one line."""
+
+    LOGGERS = ("absl", "asyncio")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "orbax" not in record.pathname
+        return "orbax" not in record.pathname and not _raised_in_orbax(record)
+
+    def attach(self) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+
+    def detach(self) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+
+
+def _raised_in_orbax(record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    tb = error.__traceback__ if error is not None else None
+    while tb is not None:
+        if "orbax" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 class Checkpoints:
@@ -174,16 +198,24 @@ class Checkpoints:
     the arrays (orbax's default): a float32 train state shrinks by ~8% and is written ~2x slower, so
     it is off unless asked for; a checkpoint of either kind restores."""
 
-    def __init__(self, directory: str | Path, keep: int, compress: bool = False):
+    def __init__(self, directory: str | Path, keep: int, compress: bool = False, read_only: bool = False):
         self.directory = Path(directory).absolute() / "checkpoints"
         self.unreadable_dir = self.directory.with_name("checkpoints.unreadable")
-        options = ocp.CheckpointManagerOptions(max_to_keep=max(1, keep), create=True, enable_async_checkpointing=True)
+        # read_only: a reader of a run another process may be training (sample, export) changes nothing in it
+        self.read_only = read_only
         handlers = {"state": ocp.PyTreeCheckpointHandler(use_compression=compress), "meta": ocp.JsonCheckpointHandler()}
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._quiet = DropOrbaxLogs()
+        self._quiet.attach()  # read_only: orbax warns that it is, and which options it ignores
+        try:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=max(1, keep), create=not read_only, read_only=read_only, enable_async_checkpointing=True
+            )
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        finally:
+            self._quiet.detach()
         self.pending: int | None = None  # the step whose save is in flight
         self._finishing: threading.Thread | None = None  # waits for orbax, then writes the checksums
         self._finish_error: BaseException | None = None
-        self._quiet = _DropOrbaxLogs()
         self._verified: set[int] = set()  # steps whose files matched their checksums (a resume reads twice)
         self._unverified: dict[int, str] = {}  # steps whose checksum file (this name) could not be read
 
@@ -195,7 +227,7 @@ class Checkpoints:
         flight). Returns once the values are off the devices; a failure (e.g. a full disk) leaves no
         partial checkpoint and raises CheckpointError, here or at the next `save` / `wait`."""
         self.wait()
-        logging.getLogger("absl").addFilter(self._quiet)
+        self._quiet.attach()
         self.pending = step
         try:
             self.manager.save(
@@ -228,16 +260,17 @@ class Checkpoints:
         if error is not None:
             self._failed(error)
         self.pending = None
-        logging.getLogger("absl").removeFilter(self._quiet)
+        self._quiet.detach()
 
     def _failed(self, e: Exception):
         # the log filter stays: orbax's background threads log this failure again at exit
         step, self.pending = self.pending, None
         self._discard_partial(step)
-        hint = "free some space" if getattr(e, "errno", None) == errno.ENOSPC else "fix the cause"
+        full = disk_full(e)
+        where, hint = ("", "free some space") if full else (f" in {self.directory}", "fix the cause")
         raise CheckpointError(
-            f"could not save the checkpoint of step {step} in {self.directory}: {_first_line(e)}; {hint} "
-            "and run again to resume from the previous checkpoint"
+            f"could not save the checkpoint of step {step}{where}: {write_problem(e, self.directory)}; "
+            f"{hint} and run again to resume from the previous checkpoint"
         ) from None
 
     def _discard_partial(self, step: int, settle_s: float = 1.0, limit_s: float = 30.0) -> None:
@@ -287,7 +320,8 @@ class Checkpoints:
 
     def newest_readable(self, read: Callable[[int], T], below: int | None = None) -> tuple[int, T] | None:
         """`(step, read(step))` for the newest checkpoint (older than `below`, if given) that verifies and
-        reads; each newer one that fails is moved aside with a one-line warning. None if there is none."""
+        reads; each newer one that fails is moved aside with a one-line warning (read-only: left in place,
+        and one deleted meanwhile by the run's trainer skipped quietly). None if there is none."""
         steps = sorted((s for s in self.manager.all_steps() if below is None or s < below), reverse=True)
         for step in steps:
             reason = self._verdict(step)
@@ -303,7 +337,12 @@ class Checkpoints:
                             "it is left in place: free memory (or restore onto more devices) and resume"
                         ) from e
                     reason = _first_line(e)
-            self._set_aside(step, reason)
+            if not self.read_only:
+                self._set_aside(step, reason)
+            elif (self.directory / str(step)).is_dir():
+                self._unverified.pop(step, None)
+                where = self.directory / str(step)
+                warn(f"checkpoint {where} is unreadable ({reason}); left in place, the previous one is used")
         return None
 
     def _verdict(self, step: int) -> str | None:
@@ -392,11 +431,31 @@ class Checkpoints:
 # how the model computes, chosen by the platform (flash attention on NVIDIA GPUs): not what a checkpoint holds,
 # so a GPU run's checkpoint resumes on CPU and back
 PLATFORM_KEYS = ("attention",)
+DTYPE_KEYS = ("dtype", "param_dtype")
+
+
+def dtype_name(value) -> str:
+    """A dtype's name ("float32", "bfloat16"), also of the text an older jaxdist recorded for a scalar type
+    ("<class 'jax.numpy.float32'>")."""
+    if isinstance(value, str):
+        value = re.findall(r"\w+", value)[-1]
+    return jax.numpy.dtype(value).name
+
+
+def model_record(model: dict) -> dict:
+    """A model config (`dataclasses.asdict(GPTConfig)`) as JSON: dtypes by name, so `GPTConfig(**record)` builds it."""
+    return {k: dtype_name(v) if k in DTYPE_KEYS and v is not None else v for k, v in model.items()}
+
+
+def _model_identity(model):
+    """What makes two model records the same model: the config without the platform's choices."""
+    if not isinstance(model, dict):
+        return model
+    return {k: v for k, v in model_record(model).items() if k not in PLATFORM_KEYS}
 
 
 def check_same_model(meta: dict, model: dict, directory: Path) -> None:
-    identity = lambda m: {k: v for k, v in m.items() if k not in PLATFORM_KEYS} if isinstance(m, dict) else m
-    if identity(meta.get("model")) != identity(model):
+    if _model_identity(meta.get("model")) != _model_identity(model):
         saved = json.dumps(meta.get("model"), sort_keys=True)
         raise ConfigError(
             f"the checkpoint in {directory} is for another model ({saved}); use a new run.out_dir, "

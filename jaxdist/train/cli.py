@@ -29,13 +29,14 @@ def _train(args) -> int:
     elif args.config:
         overrides.insert(0, args.config)
     from jaxdist.train.checkpoint import CheckpointError
+    from jaxdist.train.metrics import MetricsError
 
     try:
         cfg = config_lib.load(path, overrides)
         from jaxdist.train.trainer import train
 
         train(cfg)
-    except (config_lib.ConfigError, ValueError, CheckpointError) as e:
+    except (config_lib.ConfigError, ValueError, CheckpointError, MetricsError) as e:
         print(f"jaxdist train: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -66,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("run_dir")
     ex.add_argument("out", help="the directory to write (must not exist)")
     ex.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest readable)")
-    pl = sub.add_parser("plot", help="draw loss and throughput of a run to RUN_DIR/curves.png")
+    pl = sub.add_parser(
+        "plot", help="draw the loss, throughput, learning rate and gradient norm curves of a run to RUN_DIR/curves.png"
+    )
     pl.add_argument("run_dir")
     _add_data_commands(sub)
     args = ap.parse_args(argv)

@@ -7,6 +7,7 @@ reads. The model's config goes next to it in OUT/jaxdist_model.json.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -14,7 +15,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxdist.train.checkpoint import CheckpointError, Checkpoints
+from jaxdist.train.checkpoint import PLATFORM_KEYS, CheckpointError, Checkpoints, DropOrbaxLogs, model_record
+from jaxdist.train.report import disk_full, write_problem
 
 MODEL_FILE = "jaxdist_model.json"
 
@@ -25,19 +27,41 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
     if out.exists():
         raise CheckpointError(f"{out} already exists; pick a new output path or remove it")
     step, meta, params = read_params(run_dir, step)
-    with ocp.StandardCheckpointer() as writer:
-        writer.save(out, params)
-    (out / MODEL_FILE).write_text(json.dumps({"step": step, "model": meta.get("model")}, indent=1))
+    record = json.dumps({"step": step, "model": exported_model(meta.get("model"))}, indent=1)
+    quiet = DropOrbaxLogs()  # orbax logs a failed write with tracebacks: it is raised below, on one line
+    quiet.attach()
+    try:
+        with ocp.StandardCheckpointer() as writer:
+            writer.save(out, params)
+        (out / MODEL_FILE).write_text(record)
+    except (OSError, ValueError) as e:  # a full disk (tensorstore: ValueError RESOURCE_EXHAUSTED; OSError ENOSPC)
+        for partial in (out, *out.parent.glob(f"{out.name}{ocp.path.atomicity_types.TMP_DIR_SUFFIX}*")):
+            shutil.rmtree(partial, ignore_errors=True)  # no partial export left to be loaded by mistake
+        hint = "free some space" if disk_full(e) else "fix the cause"
+        problem = write_problem(e, out.parent)
+        raise CheckpointError(f"could not write {out}: {problem}; {hint} and export again") from None
+    finally:
+        quiet.detach()
     return step, out
+
+
+def exported_model(model):
+    """A checkpoint's model record as `GPTConfig(**record)` takes it: dtypes by name, without the choices of the
+    platform that trained it (flash attention on GPUs), which the loading platform makes again (a record that
+    is not a config, as a hand-made checkpoint may hold, as it is)."""
+    if not isinstance(model, dict):
+        return model
+    return {k: v for k, v in model_record(model).items() if k not in PLATFORM_KEYS}
 
 
 def read_params(run_dir: str | Path, step: int | None = None) -> tuple[int, dict, dict]:
     """(step, metadata, parameters as host arrays) of checkpoint `step` of `run_dir` (default: the newest
-    whose files verify against their checksums; each newer one is set aside with a warning, as a resume
-    does). Raises a one-line CheckpointError when there is none."""
+    whose files verify against their checksums; each newer one is skipped with a warning and left in place).
+    Raises a one-line CheckpointError when there is none."""
     if not (Path(run_dir) / "checkpoints").is_dir():  # checked first: opening one would create it
         raise CheckpointError(f"{Path(run_dir).absolute()} holds no checkpoints/; check the run directory")
-    ckpt = Checkpoints(run_dir, keep=1 << 30)  # keeps everything: reading must never delete a checkpoint
+    # read-only: the run may be training meanwhile, and reading must never move or delete a checkpoint
+    ckpt = Checkpoints(run_dir, keep=1 << 30, read_only=True)
     try:
         found = ckpt.newest_readable(
             lambda s: (ckpt.meta(s), ckpt.restore_params(s)), below=None if step is None else step + 1

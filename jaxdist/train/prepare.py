@@ -22,12 +22,15 @@ import itertools
 import json
 import os
 import shutil
+import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from jaxdist.train import tokenize
+from jaxdist.train.report import disk_full, is_terminal, write_problem
 
 FORMAT = "jaxdist-shards/1"
 INDEX = "index.json"
@@ -35,6 +38,7 @@ SPLITS = ("train", "val")
 CHUNK_BYTES = 1 << 20  # text is tokenized in chunks of about this size, cut at line breaks
 ENCODE_BATCH = 16  # chunks handed to the tokenizer at once
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 per shard
+PLAIN_EVERY_S = 30.0  # without a terminal: a progress line this often
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -229,28 +233,50 @@ def prepare(
         elif out.exists():
             out.rmdir()  # empty (checked above)
         tmp.rename(out)
+    except OSError as e:
+        if not disk_full(e):
+            raise
+        # the partial shards go with `tmp`, below
+        raise ValueError(f"could not write {out}: {write_problem(e, out.absolute().parent)}; free some space") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return index
 
 
 class _bar:
-    """tqdm over input bytes, or nothing."""
+    """Progress over input bytes: a tqdm bar on a terminal; elsewhere (a log file, a pipe) plain lines, one
+    every PLAIN_EVERY_S seconds and one at the end, as the trainer's bar does; or nothing."""
 
     def __init__(self, total: int, enabled: bool):
-        self.tqdm = None
-        if enabled:
+        self.tqdm, self.total, self.done = None, total, 0
+        self.stream = sys.stderr
+        self.plain = enabled and not is_terminal(self.stream)
+        self.last_line = time.monotonic()
+        if enabled and not self.plain:
             from tqdm import tqdm
 
             self.tqdm = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", dynamic_ncols=True)
 
     def update(self, n: int) -> None:
+        self.done += n
         if self.tqdm is not None:
             self.tqdm.update(n)
+        elif self.plain and time.monotonic() - self.last_line >= PLAIN_EVERY_S:
+            self._line()
 
     def close(self) -> None:
         if self.tqdm is not None:
             self.tqdm.close()
+        elif self.plain:
+            self._line()
+
+    def _line(self) -> None:
+        from tqdm import tqdm
+
+        done, total = (tqdm.format_sizeof(n, "B") for n in (self.done, self.total))
+        share = self.done / self.total if self.total else 1.0
+        print(f"tokenizing: {done} of {total} ({share:.0%})", file=self.stream, flush=True)
+        self.last_line = time.monotonic()
 
 
 def ensure_prepared(

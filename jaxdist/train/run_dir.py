@@ -5,20 +5,37 @@ TensorBoard, `tensorboard/`. An invocation either continues that run from a
 checkpoint or, with `run.overwrite=true`, deletes it and starts over; starting
 from step 0 next to an old run would mix the two (or silently replace its
 checkpoints), so it is refused.
+
+One trainer at a time: process 0 holds an exclusive `flock` on `jaxdist.lock` in
+the directory for the run's whole life, taken before anything in it is read or
+changed. The kernel releases it when the process ends, however it ends, so a
+lock left by a dead process never blocks the next run; the file names its
+holder (pid, host, start time) for the error a second trainer stops with.
+Readers (`jaxdist sample`, `export`, `plot`) take no lock: they change nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import fcntl
+import json
+import os
 import shutil
+import socket
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from jaxdist.train.config import ConfigError, RunConfig
+from jaxdist.train.report import warn
 
 RUN_FILES = ("metrics.jsonl", "curves.png")
 RUN_DIRS = ("checkpoints", "checkpoints.unreadable", "tensorboard")
+LOCK_FILE = "jaxdist.lock"  # never deleted: the lock is the flock on it, not its existence
 
 
 def _not_empty(path: Path) -> bool:
@@ -39,8 +56,84 @@ def _why_not_resumable(run: RunConfig, out_dir: Path) -> str | None:
     return None
 
 
-def prepare(run: RunConfig) -> Path:
-    """`run.out_dir`, created and checked writable; cleared first with `run.overwrite`."""
+class RunDirLock:
+    """An exclusive `flock` on `directory/jaxdist.lock`, its holder's pid, host and start time written in it."""
+
+    def __init__(self, directory: Path):
+        self.path = directory / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise a one-line ConfigError naming the process that holds it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(
+                f"run.out_dir {self.path.parent} is in use by another trainer ({self.holder()}); "
+                "wait for it to finish or stop it, or pick another run.out_dir"
+            ) from None
+        except OSError as e:  # a file system without locks: refusing every run there would be worse
+            os.close(fd)
+            warn(f"run.out_dir {self.path.parent} cannot be locked ({e.strerror}); nothing stops a second trainer")
+            return
+        self.fd = fd
+        started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started})
+        data = (record + "\n").encode()
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+
+    def holder(self) -> str:
+        """Who holds the lock, as its file says ("an unknown process" while it is being written)."""
+        try:
+            record = json.loads(self.path.read_text())
+            return f"pid {record['pid']} on host {record['host']}, started {record['started']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "an unknown process"
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor releases the flock
+            self.fd = None
+
+
+def _lock_on_process_0(out_dir: Path) -> RunDirLock | None:
+    """Process 0's lock of `out_dir`; the other processes learn whether it got it (and stop with it if not)."""
+    lock, error = None, None
+    if jax.process_index() == 0:
+        lock = RunDirLock(out_dir)
+        try:
+            lock.acquire()
+        except ConfigError as e:
+            error = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        failed = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+        if failed and error is None:
+            error = ConfigError(f"run.out_dir {out_dir} is in use by another trainer (process 0 says which)")
+    if error is not None:
+        raise error
+    return lock
+
+
+@contextlib.contextmanager
+def prepared(run: RunConfig) -> Iterator[Path]:
+    """`run.out_dir`, created and checked writable, locked by process 0 until the block ends, then cleared with
+    `run.overwrite` (or refused when this invocation cannot continue the run in it)."""
+    out_dir = _writable(run)
+    lock = _lock_on_process_0(out_dir)
+    try:
+        _clear_or_check(run, out_dir)
+        yield out_dir
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _writable(run: RunConfig) -> Path:
     out_dir = Path(run.out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -50,6 +143,11 @@ def prepare(run: RunConfig) -> Path:
         raise ConfigError(
             f"run.out_dir {out_dir} is not writable ({reason}); pick a directory you can write to"
         ) from None
+    return out_dir
+
+
+def _clear_or_check(run: RunConfig, out_dir: Path) -> None:
+    """Delete the run in `out_dir` (run.overwrite), or refuse one this invocation cannot continue."""
     if run.overwrite:
         if jax.process_index() == 0:
             for name in RUN_DIRS:
@@ -65,4 +163,3 @@ def prepare(run: RunConfig) -> Path:
             f"run.out_dir {out_dir} already holds a run that this one cannot continue ({why}); "
             "set run.overwrite=true to delete it and start over, or pick a new run.out_dir"
         )
-    return out_dir

@@ -10,7 +10,6 @@ otherwise DDP (ZeRO-1 unless parallel.zero1=false).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import sys
@@ -27,13 +26,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.train import hooks, run_dir
+from jaxdist.train import metrics as metrics_lib
 from jaxdist.train import schedule as schedule_lib
-from jaxdist.train.checkpoint import CheckpointError, Checkpoints, check_same_model
+from jaxdist.train.checkpoint import CheckpointError, Checkpoints, check_same_model, model_record
 from jaxdist.train.config import ConfigError, TrainConfig, validate
 from jaxdist.train.decay_mask import adamw, decay_mask
 from jaxdist.train.gpt import FLAVORS, GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for
 from jaxdist.train.launch import initialize_args
-from jaxdist.train.report import info
+from jaxdist.train.report import info, is_terminal, warn
 from jaxdist.train.step_watchdog import StepWatchdog, timeout_from
 
 # Datasheet dense bf16 peak, FLOP/s, by device kind: the MFU denominator of Megatron, torchtitan
@@ -252,10 +252,9 @@ class MetricsLog:
         self.file = None
         if self.enabled:
             # rows of steps after `start` belong to an attempt that did not reach a checkpoint: they are trained again
-            path = out_dir / "metrics.jsonl"
-            kept = [line for line in _lines(path) if json.loads(line)["step"] <= start]
-            path.write_text("".join(line + "\n" for line in kept))
-            self.file = path.open("a")
+            path = out_dir / metrics_lib.FILE
+            metrics_lib.rewrite(path, [r for r in metrics_lib.read_rows(path, warn) if r["step"] <= start])
+            self.file = metrics_lib.RowWriter(path)
         self.tb = None
         if tensorboard and self.enabled:
             try:
@@ -267,8 +266,7 @@ class MetricsLog:
     def write(self, row: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        self.file.write(row)  # one write of the whole line: a crash never leaves half a row before the next
         if self.tb:
             for k, v in row.items():
                 if isinstance(v, int | float) and k != "step" and v is not None:
@@ -292,7 +290,12 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     devices = jax.devices()
     mesh = make_mesh(cfg, devices)
     mcfg = model_config(cfg)
-    out_dir = run_dir.prepare(cfg.run)
+    with run_dir.prepared(cfg.run) as out_dir:  # locked until the run ends: one trainer per run directory
+        return _train(cfg, stop_after, devices, mesh, mcfg, out_dir)
+
+
+def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTConfig, out_dir: Path) -> list[float]:
+    """`train` in the locked run directory `out_dir`."""
     source = hooks.source(cfg, "train", mcfg, out_dir)
     hooks.check_sample_prompt(cfg, mcfg, source)
     batch_axes = tuple(n for n in mesh.axis_names if n not in ("tp", "pp"))
@@ -304,7 +307,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
             f"{' x accumulation steps' if cfg.optim.accumulation_steps > 1 else ''}; pick a multiple of {n_batch}"
         )
 
-    model_meta = {k: (str(v) if k == "dtype" or k == "param_dtype" else v) for k, v in dataclasses.asdict(mcfg).items()}
+    model_meta = model_record(dataclasses.asdict(mcfg))
     layout = layout_of(cfg, mesh)
     keep, compress = cfg.run.keep_checkpoints, cfg.run.checkpoint_compress
     ckpt = Checkpoints(out_dir, keep, compress=compress) if cfg.run.checkpoint_every >= 0 else None
@@ -406,6 +409,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
                     "skipped": bool(_host(metrics["skipped"])) if "skipped" in metrics else False,
                     # the previous save still writing, then the copy off the devices (in this window's time)
                     "checkpoint_s": held["window"] if ckpt is not None and cfg.run.checkpoint_every > 0 else None,
+                    "includes_compile": True if step == start else None,  # its tokens_per_s is not the run's pace
                 }
                 if evaluate:
                     row["val_loss"] = evaluator(run.model(state))
@@ -469,10 +473,6 @@ class _StopRequests:
     def close(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-
-
-def _lines(path: Path) -> list[str]:
-    return [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def _has_grad_norm(cfg: TrainConfig, metrics: dict) -> bool:
@@ -544,7 +544,7 @@ class _progress:
     def __init__(self, cfg: TrainConfig, start: int, end: int):
         self.bar = None
         # a bar needs a terminal: under `jaxdist launch` (pipes) or in a log file, plain lines
-        self.plain = not cfg.run.progress or jax.process_index() != 0 or not sys.stderr.isatty()
+        self.plain = not cfg.run.progress or jax.process_index() != 0 or not is_terminal(sys.stderr)
         if not self.plain:
             from tqdm import tqdm
 
