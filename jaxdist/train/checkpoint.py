@@ -395,10 +395,29 @@ PLATFORM_KEYS = ("attention",)
 
 
 def check_same_model(meta: dict, model: dict, directory: Path) -> None:
-    identity = lambda m: {k: v for k, v in m.items() if k not in PLATFORM_KEYS} if isinstance(m, dict) else m
-    if identity(meta.get("model")) != identity(model):
-        saved = json.dumps(meta.get("model"), sort_keys=True)
-        raise ConfigError(
-            f"the checkpoint in {directory} is for another model ({saved}); use a new run.out_dir, "
-            "set run.resume=false run.overwrite=true, or match the model settings"
+    """Raise a one-line ConfigError naming each model setting in which the checkpoint's model differs."""
+    saved = _model_identity(meta.get("model"))
+    now = _model_identity(model)
+    if saved == now:
+        return
+    if not isinstance(saved, dict):
+        differences = f"it records no model config ({json.dumps(saved)[:100]})"
+    else:
+        shown = lambda m, k: json.dumps(m[k]) if k in m else "absent"  # noqa: E731
+        differences = "saved vs now: " + ", ".join(
+            f"model.{k} {shown(saved, k)} vs {shown(now, k)}"
+            for k in sorted(saved.keys() | now.keys())
+            if saved.get(k, _ABSENT) != now.get(k, _ABSENT)
         )
+    raise ConfigError(
+        f"the checkpoint in {directory} is for another model ({differences}); use a new run.out_dir "
+        "(run.out_dir=DIR) for a new run, set run.overwrite=true to replace this one, or match the model settings"
+    )
+
+
+_ABSENT = object()
+
+
+def _model_identity(model):
+    """The model settings a checkpoint's arrays depend on (not how the platform computes them)."""
+    return {k: v for k, v in model.items() if k not in PLATFORM_KEYS} if isinstance(model, dict) else model

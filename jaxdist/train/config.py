@@ -156,11 +156,16 @@ class DataConfig:
     )
 
 
+DEFAULT_OUT_DIR = "runs/default"
+
+
 @dataclasses.dataclass
 class RunConfig:
     steps: int = _key(200, "train until this step", COUNT)
     seed: int = _key(0, "parameters and batches", at_least(0))
-    out_dir: str = _key("runs/tiny", "metrics.jsonl and checkpoints/")
+    out_dir: str = _key(
+        DEFAULT_OUT_DIR, "metrics.jsonl and checkpoints/; default runs/<config file name without .toml>"
+    )
     log_every: int = _key(10, "steps between metrics rows", COUNT)
     checkpoint_every: int = _key(
         100,
@@ -242,7 +247,8 @@ def apply(cfg: TrainConfig, section: str, key: str, value: Any) -> None:
 
 def load(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
     """Defaults, then the TOML file at `path`, then `section.key=value` overrides; every number checked
-    against its key's range."""
+    against its key's range. A file that sets no `run.out_dir` runs in `runs/<its name without .toml>`,
+    so two config files never share a run directory by default."""
     cfg = TrainConfig()
     if path:
         try:
@@ -251,6 +257,7 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConf
             raise ConfigError(f"config file {path} does not exist; pass an existing .toml file") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        cfg.run.out_dir = f"runs/{Path(path).stem}"
         for section, values in data.items():
             if not isinstance(values, dict):
                 raise ConfigError(f"config file {path}: '{section}' must be a [section] table")
