@@ -74,6 +74,19 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
     return out
 
 
+def check_backend(cfg: TrainConfig, devices) -> None:
+    """Refuse a comm backend these devices cannot run, before any data is prepared or code compiled."""
+    backend = cfg.parallel.backend
+    if backend not in ("xla", "nccl"):
+        raise ConfigError(f"parallel.backend must be xla or nccl, got {backend!r}")
+    platforms = sorted({d.platform for d in devices})
+    if backend == "nccl" and platforms != ["gpu"]:
+        raise ConfigError(
+            f"parallel.backend=nccl needs NVIDIA GPUs, but this run's {len(devices)} devices are "
+            f"{'/'.join(platforms)}; set parallel.backend=xla"
+        )
+
+
 def make_mesh(cfg: TrainConfig, devices) -> jax.sharding.Mesh:
     p = cfg.parallel
     n = len(devices)
@@ -290,6 +303,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     validate(cfg)
     init_distributed()
     devices = jax.devices()
+    check_backend(cfg, devices)
     mesh = make_mesh(cfg, devices)
     mcfg = model_config(cfg)
     out_dir = run_dir.prepare(cfg.run)
