@@ -80,10 +80,13 @@ def test_update_in_backward_stops_at_the_first_nan_loss_before_saving_it(tmp_pat
         ckpt.close()
 
 
-def test_max_skipped_steps_zero_trains_through(tmp_path, poisoned_from, capsys):
-    poisoned_from(36)
-    code = cli.main(["train", *BASE, "run.max_skipped_steps=0", "run.checkpoint_every=-1", f"run.out_dir={tmp_path}"])
-    assert code == 0, capsys.readouterr().err
+def test_without_saves_or_rows_the_stop_comes_within_the_limit_and_zero_disables_it(tmp_path, poisoned_from, capsys):
+    poisoned_from(4)
+    quiet = [*BASE, "run.checkpoint_every=-1"]  # nothing reads the losses back but the count itself
+    assert cli.main(["train", *quiet, "run.max_skipped_steps=3", f"run.out_dir={tmp_path / 'a'}"]) == 1
+    assert "error: stopped at step 7: 3 steps in a row" in capsys.readouterr().err
+    assert cli.main(["train", *quiet, "run.max_skipped_steps=0", f"run.out_dir={tmp_path / 'b'}"]) == 0
+    assert "done: step 40, final loss nan" in capsys.readouterr().out
 
 
 def _leaves(tree):

@@ -470,7 +470,8 @@ class _NonFiniteSteps:
     """Stops the run after `run.max_skipped_steps` consecutive steps with a NaN/Inf loss or gradient (the
     strategies skip those updates, so the state stays the last good one), or at the first NaN/Inf loss of
     a strategy that cannot skip (FSDP's update_in_backward has applied it): before the state is saved.
-    The flags are read back in batches (at most `limit` steps behind), so no step waits for the one before."""
+    The flags are read back in batches, at most `limit` steps behind and never the newest step's, so the
+    next step is always queued while the host waits."""
 
     def __init__(self, cfg: TrainConfig, ckpt: Checkpoints | None):
         self.can_skip = not (cfg.parallel.fsdp > 1 and cfg.parallel.update_in_backward)
@@ -482,17 +483,18 @@ class _NonFiniteSteps:
     def add(self, step: int, metrics: dict) -> None:
         if self.limit:
             self.pending.append((step, metrics.get("skipped"), metrics["loss"]))
-            if len(self.pending) >= self.limit:
-                self.check()
+            if len(self.pending) > self.limit:
+                self.check(keep_newest=True)
 
-    def check(self) -> None:
-        for step, skipped, loss in self.pending:
+    def check(self, keep_newest: bool = False) -> None:
+        """Count the pending steps (all but the newest with `keep_newest`); raise NonFiniteLoss at the limit."""
+        done, self.pending = (self.pending[:-1], self.pending[-1:]) if keep_newest else (self.pending, [])
+        for step, skipped, loss in done:
             bad = (skipped is not None and bool(_host(skipped))) or not np.isfinite(float(_host(loss)))
             self.in_a_row = self.in_a_row + 1 if bad else 0
             if self.in_a_row >= self.limit > 0:
-                self.pending.clear()
+                self.pending = []
                 raise NonFiniteLoss(self._message(step))
-        self.pending.clear()
 
     def _message(self, step: int) -> str:
         kept = f"; the checkpoints in {self.ckpt.directory} hold the last good state" if self.ckpt else ""
