@@ -78,9 +78,9 @@ def between(low: float, high: float, *, low_open: bool = False, high_open: bool 
     return Range(low=low, high=high, low_open=low_open, high_open=high_open)
 
 
-def _key(default: Any, help: str = "", range: Range | None = None) -> Any:
+def _key(default: Any, help: str = "", allowed: Range | None = None) -> Any:
     """A config key: its default, the one line `jaxdist train --help` shows for it, and (numbers) its range."""
-    return dataclasses.field(default=default, metadata={"help": help, "range": range})
+    return dataclasses.field(default=default, metadata={"help": help, "range": allowed})
 
 
 COUNT = at_least(1)  # sizes and counts: at least one
@@ -164,7 +164,7 @@ class RunConfig:
     steps: int = _key(200, "train until this step", COUNT)
     seed: int = _key(0, "parameters and batches", at_least(0))
     out_dir: str = _key(
-        DEFAULT_OUT_DIR, "metrics.jsonl and checkpoints/; default runs/<config file name without .toml>"
+        DEFAULT_OUT_DIR, "metrics.jsonl and checkpoints/; default runs/<config file name>, runs/default without one"
     )
     log_every: int = _key(10, "steps between metrics rows", COUNT)
     checkpoint_every: int = _key(
