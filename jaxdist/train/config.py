@@ -147,7 +147,7 @@ class DataConfig:
     batch_size: int = _key(16, "global sequences per step", COUNT)
     tokenizer: str = _key("bytes", "text: bytes, bpe:N (learnt on the text) or a tokenizer.json path")
     val_fraction: float = _key(
-        0.1, "text: the share of the file held out for validation", between(0, 1, low_open=True, high_open=True)
+        0.1, "text: the share of the file held out for validation (0: none)", between(0, 1, high_open=True)
     )
     stride: int = _key(
         0,
