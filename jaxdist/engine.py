@@ -663,7 +663,12 @@ class ParallelRun:
         return out
 
     def _to_canonical(self, state: TrainState) -> TrainState:
-        params, opt = self._reorder((state.params, state.opt_state), from_storage)
+        # into the canonical shardings first: a grouped column's tp dimension is then whole on each device,
+        # so its reorder is local (left to XLA, the reorder ran on the stored sharding and was followed by a
+        # full rematerialization per leaf, with a warning each)
+        target = self.canonical_shardings()
+        placed = jax.lax.with_sharding_constraint((state.params, state.opt_state), (target.params, target.opt_state))
+        params, opt = self._reorder(placed, from_storage)
         return TrainState(params, opt, state.step, self._canonical_model_state(state.model_state))
 
     def _from_canonical(self, tree: TrainState) -> TrainState:

@@ -178,7 +178,10 @@ def init(mesh: Mesh, axes=None, *, blocking: bool = True) -> None:
     the first op waits for it (or call `wait_ready`).
     """
     if not any(d.platform in ("gpu", "cuda") for d in mesh.devices.flat):
-        raise RuntimeError("the nccl backend needs a mesh of CUDA GPUs; use backend='xla' on other platforms")
+        found = "/".join(sorted({d.platform for d in mesh.devices.flat}))
+        raise RuntimeError(
+            f"the nccl backend needs a mesh of CUDA GPUs, this one has {found} devices; use backend='xla' on them"
+        )
     load()
     groups = [(a,) if isinstance(a, str) else tuple(a) for a in (axes or mesh.axis_names)]
     for group in groups:

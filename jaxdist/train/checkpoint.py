@@ -455,9 +455,27 @@ def _model_identity(model):
 
 
 def check_same_model(meta: dict, model: dict, directory: Path) -> None:
-    if _model_identity(meta.get("model")) != _model_identity(model):
-        saved = json.dumps(meta.get("model"), sort_keys=True)
-        raise ConfigError(
-            f"the checkpoint in {directory} is for another model ({saved}); use a new run.out_dir, "
-            "set run.resume=false run.overwrite=true, or match the model settings"
+    """Raise a one-line ConfigError naming each model setting in which the checkpoint's model differs."""
+    saved = _model_identity(meta.get("model"))
+    now = _model_identity(model)
+    if saved == now:
+        return
+    if not isinstance(saved, dict):
+        differences = f"it records no model config ({json.dumps(saved)[:100]})"
+    else:
+        differences = "saved vs now: " + ", ".join(
+            f"model.{k} {_shown(saved, k)} vs {_shown(now, k)}"
+            for k in sorted(saved.keys() | now.keys())
+            if saved.get(k, _ABSENT) != now.get(k, _ABSENT)
         )
+    raise ConfigError(
+        f"the checkpoint in {directory} is for another model ({differences}); use a new run.out_dir "
+        "(run.out_dir=DIR) for a new run, set run.overwrite=true to replace this one, or match the model settings"
+    )
+
+
+_ABSENT = object()
+
+
+def _shown(record: dict, key: str) -> str:
+    return json.dumps(record[key]) if key in record else "absent"

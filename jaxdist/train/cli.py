@@ -30,6 +30,7 @@ def _train(args) -> int:
         overrides.insert(0, args.config)
     from jaxdist.train.checkpoint import CheckpointError
     from jaxdist.train.metrics import MetricsError
+    from jaxdist.train.trainer import NonFiniteLoss
 
     try:
         cfg = config_lib.load(path, overrides)
@@ -39,6 +40,9 @@ def _train(args) -> int:
     except (config_lib.ConfigError, ValueError, CheckpointError, MetricsError) as e:
         print(f"jaxdist train: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteLoss as e:  # the run trained, then diverged: not a usage error
+        print(f"jaxdist train: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

@@ -2,13 +2,17 @@
 
 A config is five sections (`model`, `parallel`, `optim`, `data`, `run`). Files
 and overrides are checked key by key, so a typo fails at once with a one-line
-error that names the valid keys.
+error that names the valid keys. Every numeric key declares the values it
+accepts (a `Range`, shown by `jaxdist train --help`); `check_ranges` refuses any
+other, NaN and infinities included, in one line naming the key, the value and
+the range.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import typing
 from pathlib import Path
@@ -19,31 +23,89 @@ class ConfigError(ValueError):
     """A bad configuration; the message is one line and names the fix."""
 
 
-def _key(default: Any, help: str = "") -> Any:
-    """A config key: its default and the one line `jaxdist train --help` shows for it."""
-    return dataclasses.field(default=default, metadata={"help": help})
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric key accepts: the finite numbers between `low` and `high` (either end open or
+    closed, or absent), plus the special values in `also` (value: what it means). `meaning` says what the
+    interval's values do, where that helps. NaN and infinities are never in a range."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    meaning: str = ""
+    also: tuple[tuple[float, str], ...] = ()
+
+    def __contains__(self, value: float) -> bool:
+        if any(value == v for v, _ in self.also):
+            return True
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def __str__(self) -> str:
+        lo, hi = _number(self.low), _number(self.high)
+        if self.low is not None and self.high is not None:
+            text = f"in {'(' if self.low_open else '['}{lo}, {hi}{')' if self.high_open else ']'}"
+        elif self.low is not None:
+            text = f"{'>' if self.low_open else '>='} {lo}"
+        else:
+            text = f"{'<' if self.high_open else '<='} {hi}" if self.high is not None else "finite"
+        parts = [_with_meaning(text, self.meaning), *(_with_meaning(_number(v), m) for v, m in self.also)]
+        return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
+
+
+def _number(x: float | None) -> str:
+    return f"{x:g}" if x is not None else ""
+
+
+def _with_meaning(text: str, meaning: str) -> str:
+    return f"{text} ({meaning})" if meaning else text
+
+
+def at_least(low: float, meaning: str = "", also: tuple[tuple[float, str], ...] = ()) -> Range:
+    """`>= low`, plus the special values `also` ((value, what it means), ...)."""
+    return Range(low=low, meaning=meaning, also=also)
+
+
+def above(low: float) -> Range:
+    return Range(low=low, low_open=True)
+
+
+def between(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Range:
+    return Range(low=low, high=high, low_open=low_open, high_open=high_open)
+
+
+def _key(default: Any, help: str = "", allowed: Range | None = None) -> Any:
+    """A config key: its default, the one line `jaxdist train --help` shows for it, and (numbers) its range."""
+    return dataclasses.field(default=default, metadata={"help": help, "range": allowed})
+
+
+COUNT = at_least(1)  # sizes and counts: at least one
 
 
 @dataclasses.dataclass
 class ModelConfig:
     flavor: str = _key("tiny", "a key of jaxdist.train.gpt.FLAVORS; the keys below override it when set")
-    n_layers: int | None = _key(None, "transformer blocks")
-    d_model: int | None = _key(None, "width")
-    n_heads: int | None = _key(None, "attention heads (must divide d_model)")
-    seq_len: int | None = _key(None, "tokens per sequence")
-    vocab_size: int | None = _key(None, "vocabulary (>= 256 for byte-level text)")
+    n_layers: int | None = _key(None, "transformer blocks", COUNT)
+    d_model: int | None = _key(None, "width", COUNT)
+    n_heads: int | None = _key(None, "attention heads (must divide d_model)", COUNT)
+    seq_len: int | None = _key(None, "tokens per sequence", COUNT)
+    vocab_size: int | None = _key(None, "vocabulary (>= 256 for byte-level text)", COUNT)
     tie_embeddings: bool | None = _key(None, "share the input embedding with the head")
     dtype: str = _key("float32", "compute dtype: float32 or bfloat16")
 
 
 @dataclasses.dataclass
 class ParallelConfig:
-    dp: int = _key(-1, "data-parallel size; -1: every device not used by fsdp, tp and pp")
-    fsdp: int = _key(1, "FSDP size (> 1: FSDP, HSDP with dp > 1)")
-    tp: int = _key(1, "tensor-parallel size (> 1: DP x TP)")
+    dp: int = _key(-1, "data-parallel size", at_least(1, also=((-1, "every device not used by fsdp, tp and pp"),)))
+    fsdp: int = _key(1, "FSDP size (> 1: FSDP, HSDP with dp > 1)", COUNT)
+    tp: int = _key(1, "tensor-parallel size (> 1: DP x TP)", COUNT)
     zero1: bool = _key(True, "DDP: shard the optimizer state (FSDP and TP always do)")
-    bucket_mb: float = _key(40.0, "DDP: gradient bucket size, MiB")
-    buffers: int = _key(2, "FSDP: units gathered at once")
+    bucket_mb: float = _key(40.0, "DDP: gradient bucket size, MiB", above(0))
+    buffers: int = _key(2, "FSDP: units gathered at once", at_least(2))
     update_in_backward: bool = _key(False, "FSDP: update each unit during backward (needs optim.max_grad_norm=0)")
     sequence_parallel: bool = _key(False, "TP: split activations between tp layers (batch rows if tp divides them)")
     remat: bool | str = _key(
@@ -51,62 +113,82 @@ class ParallelConfig:
         "block activations in backward: auto (kept, recomputed under FSDP), true (recomputed: less memory, one "
         "more forward) or false (kept; FSDP rebuilds only the weights' own residuals)",
     )
-    backend: str = _key("xla", "comm backend: xla or nccl")
+    backend: str = _key("xla", "comm backend: xla or nccl (NVIDIA GPUs only)")
     comm_dtype: str = _key(
         "param",
         "dtype the collectives move: param (the parameters') or compute (model.dtype: weights gathered and "
         "gradients reduced in it, half the bytes with bfloat16, as XLA's automatic sharding does)",
     )
-    pp: int = _key(1, "pipeline-parallel size (> 1: the GPT's blocks split into pp x virtual stages)")
-    microbatches: int = _key(4, "pipeline: micro-batches per data rank's batch")
+    pp: int = _key(1, "pipeline-parallel size (> 1: the GPT's blocks split into pp x virtual stages)", COUNT)
+    microbatches: int = _key(4, "pipeline: micro-batches per data rank's batch", COUNT)
     schedule: str = _key("1f1b", "pipeline schedule: 1f1b, gpipe or interleaved")
-    virtual: int = _key(1, "pipeline: stages per rank (interleaved schedule)")
+    virtual: int = _key(1, "pipeline: stages per rank (interleaved schedule)", COUNT)
 
 
 @dataclasses.dataclass
 class OptimConfig:
-    lr: float = _key(3e-3, "peak learning rate (AdamW)")
-    min_lr_ratio: float = _key(0.1, "final learning rate / lr")
-    warmup_steps: int = _key(10, "linear warmup steps")
-    decay_steps: int | None = _key(None, "schedule length (warmup + cosine); default run.steps of the first run")
-    weight_decay: float = _key(0.0, "AdamW weight decay")
+    lr: float = _key(3e-3, "peak learning rate (AdamW)", above(0))
+    min_lr_ratio: float = _key(0.1, "final learning rate / lr", between(0, 1))
+    warmup_steps: int = _key(10, "linear warmup steps", at_least(0))
+    decay_steps: int | None = _key(None, "schedule length (warmup + cosine); default run.steps of the first run", COUNT)
+    weight_decay: float = _key(0.0, "AdamW weight decay", at_least(0))
     no_decay: str = _key("wpe", "comma-separated regexes: parameters whose path matches get no weight decay")
     decay_vectors: bool = _key(False, "decay 1-D parameters (norm scales, biases) too; GPT recipes don't")
-    b1: float = _key(0.9, "AdamW beta1")
-    b2: float = _key(0.95, "AdamW beta2")
-    max_grad_norm: float = _key(1.0, "clip by the global gradient norm; 0 disables clipping")
-    accumulation_steps: int = _key(1, "DDP: micro-batches per step")
+    b1: float = _key(0.9, "AdamW beta1", between(0, 1, high_open=True))
+    b2: float = _key(0.95, "AdamW beta2", between(0, 1, high_open=True))
+    max_grad_norm: float = _key(1.0, "clip by the global gradient norm", at_least(0, "0 disables clipping"))
+    accumulation_steps: int = _key(1, "DDP: micro-batches per step", COUNT)
 
 
 @dataclasses.dataclass
 class DataConfig:
     source: str = _key("text", "text (data.path, prepared into out_dir/data), shards (a prepare-data dir) or synthetic")
     path: str = _key("", "text: a text file (default: the shipped corpus); shards: a `jaxdist prepare-data` directory")
-    batch_size: int = _key(16, "global sequences per step")
+    batch_size: int = _key(16, "global sequences per step", COUNT)
     tokenizer: str = _key("bytes", "text: bytes, bpe:N (learnt on the text) or a tokenizer.json path")
-    val_fraction: float = _key(0.1, "text: the share of the file held out for validation")
-    stride: int = _key(0, "training: tokens between the starts of consecutive sequences; 0: seq_len (no overlap)")
+    val_fraction: float = _key(
+        0.1, "text: the share of the file held out for validation (0: none)", between(0, 1, high_open=True)
+    )
+    stride: int = _key(
+        0,
+        "training: tokens between the starts of consecutive sequences (seq_len: no overlap)",
+        at_least(0, "0: seq_len"),
+    )
+
+
+DEFAULT_OUT_DIR = "runs/default"
 
 
 @dataclasses.dataclass
 class RunConfig:
-    steps: int = _key(200, "train until this step")
-    seed: int = _key(0, "parameters and batches")
-    out_dir: str = _key("runs/tiny", "metrics.jsonl and checkpoints/")
-    log_every: int = _key(10, "steps between metrics rows")
-    checkpoint_every: int = _key(100, "steps between checkpoints; 0: only at the end; -1: none")
-    keep_checkpoints: int = _key(2, "newest checkpoints kept")
+    steps: int = _key(200, "train until this step", COUNT)
+    seed: int = _key(0, "parameters and batches", at_least(0))
+    out_dir: str = _key(
+        DEFAULT_OUT_DIR, "metrics.jsonl and checkpoints/; default runs/<config file name>, runs/default without one"
+    )
+    log_every: int = _key(10, "steps between metrics rows", COUNT)
+    checkpoint_every: int = _key(
+        100,
+        "when to save checkpoints",
+        at_least(1, "steps between checkpoints", ((0, "only at the end"), (-1, "none"))),
+    )
+    keep_checkpoints: int = _key(2, "newest checkpoints kept", COUNT)
     checkpoint_compress: bool = _key(False, "zstd-compress checkpoints (float32 state ~8% smaller, ~2x slower saves)")
     resume: bool = _key(True, "continue from the newest checkpoint in out_dir")
     init_from: str = _key("", "start a new run from these parameters (the OUT of `jaxdist export`); empty: none")
     overwrite: bool = _key(False, "start over in an out_dir that holds a run, deleting its checkpoints and metrics")
-    eval_every: int = _key(0, "validation loss every this many steps and at the end; 0: never")
-    eval_batches: int = _key(4, "validation batches (of data.batch_size) per evaluation")
-    sample_tokens: int = _key(0, "at the end, print this many generated tokens after sample_prompt")
+    eval_every: int = _key(0, "validation loss every this many steps and at the end", at_least(0, "0: never"))
+    eval_batches: int = _key(4, "validation batches (of data.batch_size) per evaluation", COUNT)
+    sample_tokens: int = _key(0, "at the end, print this many generated tokens after sample_prompt", at_least(0))
     sample_prompt: str = _key("", "the prompt of the end-of-run sample")
     tensorboard: bool = _key(False, "also write TensorBoard events (needs tensorboardX)")
     progress: bool = _key(True, "a progress bar (plain lines without a terminal)")
-    step_timeout_s: float = _key(0.0, "a step running longer ends the process with a report (0: off)")
+    step_timeout_s: float = _key(0.0, "a step running longer ends the process with a report", at_least(0, "0: off"))
+    max_skipped_steps: int = _key(
+        10,
+        "stop (non-zero exit) after this many consecutive steps skipped for a NaN/Inf loss or gradient",
+        at_least(0, "0: never"),
+    )
 
 
 @dataclasses.dataclass
@@ -164,7 +246,9 @@ def apply(cfg: TrainConfig, section: str, key: str, value: Any) -> None:
 
 
 def load(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """Defaults, then the TOML file at `path`, then `section.key=value` overrides."""
+    """Defaults, then the TOML file at `path`, then `section.key=value` overrides; every number checked
+    against its key's range. A file that sets no `run.out_dir` runs in `runs/<its name without .toml>`,
+    so two config files never share a run directory by default."""
     cfg = TrainConfig()
     if path:
         try:
@@ -173,6 +257,7 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConf
             raise ConfigError(f"config file {path} does not exist; pass an existing .toml file") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        cfg.run.out_dir = f"runs/{Path(path).stem}"
         for section, values in data.items():
             if not isinstance(values, dict):
                 raise ConfigError(f"config file {path}: '{section}' must be a [section] table")
@@ -184,30 +269,25 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConf
         name, value = item.split("=", 1)
         section, key = name.split(".", 1)
         apply(cfg, section.strip(), key.strip(), value.strip())
+    check_ranges(cfg)
     return cfg
+
+
+def check_ranges(cfg: TrainConfig) -> None:
+    """Raise a one-line ConfigError for the first number outside its key's declared range."""
+    for section in _fields(TrainConfig):
+        sub = getattr(cfg, section)
+        for f in dataclasses.fields(sub):
+            allowed, value = f.metadata.get("range"), getattr(sub, f.name)
+            if allowed is None or value is None or isinstance(value, bool):
+                continue
+            if not isinstance(value, int | float) or value not in allowed:
+                raise ConfigError(f"{section}.{f.name} must be {allowed}, got {value!r}")
 
 
 def validate(cfg: TrainConfig) -> None:
     """Values no run can use, and settings that contradict each other: a one-line ConfigError each."""
-    positive = [("run.steps", cfg.run.steps), ("data.batch_size", cfg.data.batch_size)]
-    positive += [
-        ("optim.accumulation_steps", cfg.optim.accumulation_steps),
-        ("optim.decay_steps", cfg.optim.decay_steps),
-        ("run.keep_checkpoints", cfg.run.keep_checkpoints),  # below 1 kept one anyway, silently
-    ]
-    positive += [
-        (f"model.{k}", getattr(cfg.model, k)) for k in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size")
-    ]
-    for name, value in positive:
-        if value is not None and value < 1:
-            raise ConfigError(f"{name} must be >= 1, got {value}")
-    if not cfg.optim.max_grad_norm >= 0:  # a negative value read as no clipping, silently; NaN too
-        raise ConfigError(f"optim.max_grad_norm must be >= 0 (0 disables clipping), got {cfg.optim.max_grad_norm}")
-    if cfg.run.checkpoint_every < -1:  # -1 means none; anything lower read as none, silently
-        raise ConfigError(
-            f"run.checkpoint_every must be >= 1 (steps between checkpoints), 0 (only at the end) or -1 (none), "
-            f"got {cfg.run.checkpoint_every}"
-        )
+    check_ranges(cfg)  # again: a TrainConfig built in code did not pass through `load`
     if cfg.parallel.comm_dtype not in ("param", "compute"):
         raise ConfigError(f"parallel.comm_dtype must be param or compute, got {cfg.parallel.comm_dtype!r}")
     if cfg.parallel.remat not in (True, False, "auto"):
@@ -232,5 +312,7 @@ def describe() -> str:
         lines.append(f"[{section}]")
         for f in dataclasses.fields(cls):
             default = "none" if f.default is None else json.dumps(f.default)
-            lines.append(f"  {section}.{f.name} = {default}".ljust(40) + f"  {f.metadata.get('help', '')}".rstrip())
+            allowed = f.metadata.get("range")
+            text = f"{f.metadata.get('help', '')}" + (f" (must be {allowed})" if allowed else "")
+            lines.append(f"  {section}.{f.name} = {default}".ljust(40) + f"  {text}".rstrip())
     return "\n".join(lines)

@@ -74,6 +74,19 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
     return out
 
 
+def check_backend(cfg: TrainConfig, devices) -> None:
+    """Refuse a comm backend these devices cannot run, before any data is prepared or code compiled."""
+    backend = cfg.parallel.backend
+    if backend not in ("xla", "nccl"):
+        raise ConfigError(f"parallel.backend must be xla or nccl, got {backend!r}")
+    platforms = sorted({d.platform for d in devices})
+    if backend == "nccl" and platforms != ["gpu"]:
+        raise ConfigError(
+            f"parallel.backend=nccl needs NVIDIA GPUs, but this run's {len(devices)} devices are "
+            f"{'/'.join(platforms)}; set parallel.backend=xla"
+        )
+
+
 def make_mesh(cfg: TrainConfig, devices) -> jax.sharding.Mesh:
     p = cfg.parallel
     n = len(devices)
@@ -288,6 +301,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     validate(cfg)
     init_distributed()
     devices = jax.devices()
+    check_backend(cfg, devices)
     mesh = make_mesh(cfg, devices)
     mcfg = model_config(cfg)
     with run_dir.prepared(cfg.run) as out_dir:  # locked until the run ends: one trainer per run directory
@@ -359,6 +373,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTCon
     held = {"window": 0.0, "run": 0.0, "saves": 0}  # seconds the loop waited in checkpoint saves
 
     def save(step: int, in_loop: bool = True):
+        skips.check()  # a state whose steps have stopped the run for NaN/Inf is never saved
         # only steps this invocation trained: a resumed run has its start step already (a finished run
         # given a smaller run.steps would otherwise save its newest state under the smaller step's name)
         if ckpt is not None and step > start and step != ckpt.latest():
@@ -381,10 +396,12 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTCon
     first_sample = hooks.samples_before(meta, start, cfg.data.batch_size)
     batches = loader.batches(start, offset=first_sample - start * cfg.data.batch_size)
     stop = _StopRequests()
+    skips = _NonFiniteSteps(cfg, ckpt)
     try:
         for step in range(start, end):
             guard.beat(step)  # a step (or the log/checkpoint work after it) past the deadline ends the run
             state, metrics = run.step(state, next(batches))
+            skips.add(step + 1, metrics)
             pending.append(metrics["loss"])  # read back only when logging: no host sync per step
             window_tokens += tokens_per_step
             last = step + 1 == end
@@ -392,6 +409,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTCon
             if (step + 1) % max(1, cfg.run.log_every) == 0 or last or step == start or evaluate:
                 losses.extend(float(_host(x)) for x in pending)
                 pending.clear()
+                skips.check()
                 loss = losses[-1]
                 jax.block_until_ready(state)
                 elapsed = time.perf_counter() - window_start
@@ -446,6 +464,52 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTCon
         finally:
             stop.close()
     return losses
+
+
+class NonFiniteLoss(RuntimeError):
+    """The run stopped: its steps kept having a NaN/Inf loss or gradient (the message is one line)."""
+
+
+class _NonFiniteSteps:
+    """Stops the run after `run.max_skipped_steps` consecutive steps with a NaN/Inf loss or gradient (the
+    strategies skip those updates, so the state stays the last good one), or at the first NaN/Inf loss of
+    a strategy that cannot skip (FSDP's update_in_backward has applied it): before the state is saved.
+    The flags are read back in batches, at most `limit` steps behind and never the newest step's, so the
+    next step is always queued while the host waits."""
+
+    def __init__(self, cfg: TrainConfig, ckpt: Checkpoints | None):
+        self.can_skip = not (cfg.parallel.fsdp > 1 and cfg.parallel.update_in_backward)
+        self.limit = cfg.run.max_skipped_steps if self.can_skip else min(1, cfg.run.max_skipped_steps)
+        self.lr, self.ckpt = cfg.optim.lr, ckpt
+        self.pending: list = []
+        self.in_a_row = 0
+
+    def add(self, step: int, metrics: dict) -> None:
+        if self.limit:
+            self.pending.append((step, metrics.get("skipped"), metrics["loss"]))
+            if len(self.pending) > self.limit:
+                self.check(keep_newest=True)
+
+    def check(self, keep_newest: bool = False) -> None:
+        """Count the pending steps (all but the newest with `keep_newest`); raise NonFiniteLoss at the limit."""
+        done, self.pending = (self.pending[:-1], self.pending[-1:]) if keep_newest else (self.pending, [])
+        for step, skipped, loss in done:
+            bad = (skipped is not None and bool(_host(skipped))) or not np.isfinite(float(_host(loss)))
+            self.in_a_row = self.in_a_row + 1 if bad else 0
+            if self.in_a_row >= self.limit > 0:
+                self.pending = []
+                raise NonFiniteLoss(self._message(step))
+
+    def _message(self, step: int) -> str:
+        kept = f"; the checkpoints in {self.ckpt.directory} hold the last good state" if self.ckpt else ""
+        if not self.can_skip:
+            what = "its loss is NaN/Inf and parallel.update_in_backward=true has already applied its update"
+        else:
+            what = f"{self.in_a_row} steps in a row had a NaN/Inf loss or gradient and were skipped"
+        return (
+            f"stopped at step {step}: {what} (run.max_skipped_steps={self.limit}); lower optim.lr "
+            f"(now {self.lr:g}) or check the data{kept}"
+        )
 
 
 class _StopRequests:
