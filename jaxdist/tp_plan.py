@@ -91,9 +91,9 @@ def vocab(loss_parallel: bool = False) -> Placement:
 
 # -- a loss over logits split along the vocabulary ---------------------------------------------
 # A head bound with `loss_parallel` returns its logits wrapped: only `cross_entropy` unwraps them,
-# and it reduces only per-token scalars over tp. Any other use of the wrapper (arithmetic, a jnp
-# function, optax's loss) raises, since one rank's slice of the logits read as whole logits would
-# be silently wrong.
+# and it reduces only per-token scalars over tp. Any other use of the wrapper (an attribute such as
+# .ndim, arithmetic, a jnp function, optax's loss, numpy) raises, since one rank's slice of the
+# logits read as whole logits would be silently wrong.
 
 _MISUSE = (
     "TP plan: these logits are this rank's vocabulary slice (loss_parallel=True); only "
@@ -110,16 +110,20 @@ class VocabShardedLogits:
     def __init__(self, logits: jax.Array, binding: Binding):
         self._logits, self._binding = logits, binding
 
-    def __jax_array__(self):
-        raise ValueError(_MISUSE)
-
-    __array__ = __jax_array__
-
     def _refuse(self, *args, **kwargs):
         raise ValueError(_MISUSE)
 
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):  # protocol probes (copy, pickle) find nothing
+            raise AttributeError(name)
+        raise ValueError(_MISUSE)
+
+    __jax_array__ = __array__ = __array_function__ = __array_ufunc__ = _refuse
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
-    __getitem__ = __neg__ = __pow__ = __matmul__ = __rmatmul__ = astype = _refuse
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __pow__ = __rpow__ = __matmul__ = __rmatmul__ = _refuse
+    __getitem__ = __neg__ = __pos__ = __abs__ = __iter__ = __len__ = __bool__ = __float__ = __int__ = _refuse
+    __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __ne__ = _refuse
+    __hash__ = object.__hash__
 
     @property
     def shape(self):
@@ -128,6 +132,14 @@ class VocabShardedLogits:
     @property
     def dtype(self):
         return self._logits.dtype
+
+
+def _refuse_flatten(logits: VocabShardedLogits):
+    raise ValueError(_MISUSE)
+
+
+# a jitted function (most jnp functions) flattens its arguments before reading them
+jax.tree_util.register_pytree_node(VocabShardedLogits, _refuse_flatten, lambda aux, children: None)
 
 
 def cross_entropy(logits, labels: jax.Array) -> jax.Array:
