@@ -342,14 +342,17 @@ class TPPlan:
 
         `rules` maps the annotations' logical axis names to mesh axes (a dict, or the
         `(name, mesh axis)` pairs of `nnx.logical_axis_rules`); names mapped to `axis` split
-        over tp. A layer with a `kernel` whose output axis (last) maps to tp is column
-        parallel, whose input axis (second to last) maps to tp is row parallel; an
-        `nnx.Embed` whose table's vocabulary axis maps to tp is vocab parallel. Any other
-        parameter axis mapped to tp raises (no placement splits it). Annotations carry no
-        static attributes nor whether a column layer's output must be gathered: pass
-        `divide` and `overrides` (rules that replace the derived ones they match, e.g.
-        `{"head": column(gather_output=True)}`). A layer axis added by `nnx.vmap` is skipped
-        (axes count from the end).
+        over tp. A layer whose weight (`kernel`, else its one parameter of two or more
+        dimensions) has one axis mapped to tp is column parallel where that axis is an output
+        feature, row parallel where it is contracted: an `nnx.Linear`'s last and first axes, an
+        einsum layer's (an `einsum_str`) output and contracted axes; other weights of two
+        dimensions read as (in, out). An `nnx.Embed` whose vocabulary axis maps to tp is vocab
+        parallel. A one-dimensional parameter alone mapped to tp (a norm's scale) stays
+        replicated; any other parameter axis mapped to tp raises (no placement splits it).
+        Annotations carry no static attributes nor whether a column layer's output must be
+        gathered: pass `divide` and `overrides` (rules that replace the derived ones they
+        match, e.g. `{"head": column(gather_output=True)}`). A layer axis added by `nnx.vmap`
+        is skipped (axes count from the end).
         """
         table = dict(rules)
 
@@ -368,8 +371,9 @@ class TPPlan:
             split = {k: [i - len(_annotation(params[k])) for i in dims] for k, dims in split.items() if dims}
             if not split or any(_matches(p, path) for p in overrides):
                 continue
-            placement = _placement_from_split(where, module, split)
-            layers[where] = placement
+            if all(len(_annotation(params[k])) == 1 for k in split) and not _weight_split(module, split):
+                continue  # a norm's scale (or another vector) alone on tp: replicated
+            layers[where] = _placement_from_split(where, module, split)
         return cls({**layers, **overrides}, dict(divide or {}))
 
 
@@ -378,6 +382,11 @@ def _annotation(var: nnx.Variable) -> tuple:
     meta = var.get_metadata()
     names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding") or ()
     return tuple(names)
+
+
+def _weight_split(module, split: dict) -> bool:
+    """Whether a parameter of two or more dimensions is among the annotated splits."""
+    return any(getattr(getattr(module, k), "ndim", 0) >= 2 for k in split)
 
 
 def _static_equation(module, ndim: int) -> Equation | None:
@@ -405,14 +414,34 @@ def _placement_from_split(where: str, module, split: dict) -> Placement:
     """The placement whose split dims (counted from the end) are the annotated ones, or raise."""
     if isinstance(module, nnx.Embed) and split == {"embedding": [-2]}:
         return vocab()
-    candidates = {"column": {"kernel": [-1], "bias": [-1]}, "row": {"kernel": [-2]}}
-    for kind, dims in candidates.items():
-        if "kernel" in split and all(dims.get(k) == d for k, d in split.items()):
-            return Placement(kind)
+    param = _weight_name(module) if not isinstance(module, nnx.Embed) else None
+    dims = split.get(param) if param is not None else None
+    others = {k: d for k, d in split.items() if k not in (param, "bias")}
+    weight = getattr(module, param) if param is not None else None
+    if dims is not None and len(dims) == 1 and not others:
+        ndim = weight.ndim  # a stacked layer's weight has a leading layer axis more than its equation
+        equation = _static_equation(module, ndim)
+        if equation is None and isinstance(getattr(module, "einsum_str", None), str):
+            equation = Equation.parse(module.einsum_str, ndim - 1)
+        if equation is not None and -len(equation.w) <= dims[0]:
+            letter = equation.w[dims[0]]
+            kind = "column" if letter in equation.outputs() else "row" if letter in equation.contracted() else None
+            bias = split.get("bias")
+            if kind == "row" and bias:
+                kind = None
+            if kind is not None:
+                dim = None if isinstance(module, nnx.Linear) else dims[0]
+                return Placement(kind, dim=dim, param=None if param == "kernel" else param)
+        elif equation is None:
+            raise ValueError(
+                f"TPPlan.from_annotations: {where} ({type(module).__name__}) maps {param} axis {dims[0]} (from the "
+                "end) to tp, but its equation is known only when it is called, so output and input axes cannot "
+                f"be told apart; pass overrides={{{where!r}: column(dim=..., param={param!r})}} (or row(...))"
+            )
     detail = ", ".join(f"{k} axes {d}" for k, d in split.items())
     raise ValueError(
         f"TPPlan.from_annotations: {where} ({type(module).__name__}) maps {detail} (from the end) to tp, "
-        "which no placement splits (column: kernel's last axis, row: its second to last, vocab: an "
+        "which no placement splits (column: a weight's output axis, row: a contracted axis, vocab: an "
         "nnx.Embed's vocabulary axis); change the annotation or pass overrides={path: placement}"
     )
 
