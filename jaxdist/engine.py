@@ -454,14 +454,14 @@ class ParallelRun:
         units, log = self.units, CallLog(self.cfg.plan)
         shapes = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
-        def trace(params, batch):
+        def trace(params, batch, rest, layer_rest):  # variables enter as inputs: RNG counts mutate in the trace
             model = log.watch(nnx.merge(self.graphdef, params, rest))
             with log.unit("the embed"):
                 x = units.embed(model, batch)
             for i in range(1 if units.stacked else self.n_blocks):
                 if units.stacked:  # one layer of the stacked module: all run its code
                     layer = jax.tree.map(lambda a: a[0], params[units.blocks])
-                    block = log.watch(nnx.merge(self.block_defs[0], layer, self.block_rests[0]), (units.blocks,))
+                    block = log.watch(nnx.merge(self.block_defs[0], layer, layer_rest), (units.blocks,))
                 else:
                     block = getattr(model, units.blocks)[i]
                 with log.unit(f"block {i}"):
@@ -470,7 +470,8 @@ class ParallelRun:
                 units.head_loss(model, x, batch)
             return jnp.zeros(())
 
-        jax.eval_shape(trace, shapes(pure), shapes(batch))
+        layer_rest = self.block_rests[0] if units.stacked else None
+        jax.eval_shape(trace, shapes(pure), shapes(batch), rest, layer_rest)
         return self.cfg.plan.resolve(self._plan_modules(model), self.cfg.tp, log)
 
     def _block_prefix(self, i: int) -> tuple:
