@@ -471,7 +471,7 @@ class ParallelRun:
             return jnp.zeros(())
 
         layer_rest = self.block_rests[0] if units.stacked else None
-        jax.eval_shape(trace, shapes(pure), shapes(batch), rest, layer_rest)
+        jax.eval_shape(trace, shapes(pure), shapes(batch), shapes(rest), shapes(layer_rest))
         return self.cfg.plan.resolve(self._plan_modules(model), self.cfg.tp, log)
 
     def _block_prefix(self, i: int) -> tuple:
