@@ -311,3 +311,14 @@ def test_default_splits_follow_each_layer_type_on_kernels_of_any_rank():
     assert resolved.param_split(("q", "bias"), 2) == (0, 1)  # the bias (heads, head_dim) along heads
     with pytest.raises(ValueError, match=r"fixed: cannot tell which axis of w \(16, 8, 4\).*column\(dim=\.\.\.\)"):
         tp_plan.TPPlan({"fixed": tp_plan.column()}).resolve(modules, 2)
+
+
+def test_a_row_einsum_fed_whole_heads_raises_naming_the_layer():
+    """The output projection placed without its q/k/v columns reads all heads where its piece takes
+    one rank's: the feature check covers 3-D kernels (the contracted heads and head_dim)."""
+    plan = tp_plan.TPPlan({k: v for k, v in PLAN.layers.items() if k.split("/")[-1] not in ("q", "k", "v")})
+    with pytest.raises(
+        ValueError,
+        match=r"blocks/0/attn/o \(row parallel\) gets \(8, 4\) input features where its kernel piece takes \(4, 4\)",
+    ):
+        Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=plan).prepare(Model(nnx.Rngs(0)), OPTIMIZER, UNITS, batches(1)[0])
