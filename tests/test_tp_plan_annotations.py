@@ -144,3 +144,17 @@ def test_a_model_annotated_for_fsdp_x_tp_prepares_as_it_is_and_trains_as_on_one_
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for have, want in zip(jax.tree.leaves(nnx.to_pure_dict(run.params(state))), jax.tree.leaves(pure), strict=True):
         np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=0, atol=1e-5)
+
+
+def test_a_placement_names_its_dimension_by_the_annotation_or_the_equation():
+    modules = list(nnx.iter_graph(make_model()))
+    plan = tp_plan.TPPlan(
+        {
+            "blocks/*/q": tp_plan.column(dim="heads"),  # the kernel's nnx.with_partitioning name
+            "blocks/*/k": tp_plan.column(dim="N"),  # its einsum letter
+            "blocks/*/o": tp_plan.row(dim=0),
+            "blocks/*/v": tp_plan.column(dim="head_dim"),  # an output axis, but not the row's features
+        }
+    )
+    resolved = plan.resolve(modules, 2)
+    assert [resolved.layer(("blocks", 0, p)).dim for p in ("q", "k", "o", "v")] == [1, 1, 0, 2]
