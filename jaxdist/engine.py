@@ -52,7 +52,7 @@ from jaxdist._tp_grads import tp_summed
 from jaxdist.canonical import canonical_avals, check_canonical, mirror_map, with_shardings
 from jaxdist.model_state import ModelState, keep_if, split_params, training_copy
 from jaxdist.per_leaf import check_per_leaf, owners
-from jaxdist.tp_plan import Binding, TPPlan, bind, from_storage, to_storage
+from jaxdist.tp_plan import Binding, CallLog, ResolvedPlan, TPPlan, bind, from_storage, to_storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,12 +291,11 @@ class ParallelRun:
         )
         model = training_copy(model)  # the step runs train mode; the caller's model is untouched
         self._split_blocks(model, units)
-        if cfg.plan is not None and cfg.tp > 1:
-            cfg.plan.check(model, cfg.tp, modules=self._plan_modules(model))
         self.graphdef, params, rest = split_params(model, type(cfg).__name__)
         self._split_model_state(rest, units)
         self.template = params
         pure = nnx.to_pure_dict(params)
+        self.placements = self._resolve_plan(model, pure, rest, batch) if cfg.plan is not None and cfg.tp > 1 else None
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(pure)
         paths = [tuple(getattr(k, "key", getattr(k, "idx", k)) for k in kp) for kp, _ in flat]
         n_store = cfg._size(cfg.storage_axis) if cfg.storage_axis else 0
@@ -449,6 +448,32 @@ class ParallelRun:
         outer = [(path, m) for path, m in nnx.iter_graph(model) if not path or path[0] != name]
         return outer + [((name, *path), m) for path, m in nnx.iter_graph(self._first_layer)]
 
+    def _resolve_plan(self, model, pure, rest, batch) -> ResolvedPlan:
+        """The plan on the model (`TPPlan.resolve`): from one trace of the units on the model as on one
+        device (shapes only), the placed layers' equations and the order each unit calls them in."""
+        units, log = self.units, CallLog(self.cfg.plan)
+        shapes = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+        def trace(params, batch, rest, layer_rest):  # variables enter as inputs: RNG counts mutate in the trace
+            model = log.watch(nnx.merge(self.graphdef, params, rest))
+            with log.unit("the embed"):
+                x = units.embed(model, batch)
+            for i in range(1 if units.stacked else self.n_blocks):
+                if units.stacked:  # one layer of the stacked module: all run its code
+                    layer = jax.tree.map(lambda a: a[0], params[units.blocks])
+                    block = log.watch(nnx.merge(self.block_defs[0], layer, layer_rest), (units.blocks,))
+                else:
+                    block = getattr(model, units.blocks)[i]
+                with log.unit(f"block {i}"):
+                    self._block_call(i, block, x, batch, units.block_call)
+            with log.unit("the head"):
+                units.head_loss(model, x, batch)
+            return jnp.zeros(())
+
+        layer_rest = self.block_rests[0] if units.stacked else None
+        jax.eval_shape(trace, shapes(pure), shapes(batch), shapes(rest), shapes(layer_rest))
+        return self.cfg.plan.resolve(self._plan_modules(model), self.cfg.tp, log)
+
     def _block_prefix(self, i: int) -> tuple:
         return (self.units.blocks,) if self.units.stacked else (self.units.blocks, i)
 
@@ -457,8 +482,8 @@ class ParallelRun:
         # a stacked leaf's layer axis is never split: tp and storage dims count past it
         skip = 1 if self.units.stacked and path[0] == self.units.blocks else 0
         dim, groups = (None, 1)
-        if cfg.plan is not None and cfg.tp > 1:
-            dim, groups = cfg.plan.param_split(path, x.ndim - skip)
+        if self.placements is not None:
+            dim, groups = self.placements.param_split(path, x.ndim - skip)
             dim = None if dim is None else dim + skip
         local = tuple(s // cfg.tp if d == dim else s for d, s in enumerate(x.shape))
         store = None
@@ -699,8 +724,8 @@ class ParallelRun:
         return Binding(cfg.tp_axis, cfg.tp, backend, cfg.sequence_parallel, self.sequence_dim)
 
     def _bound(self, module, prefix=()):
-        if self.cfg.plan is not None and self.cfg.tp > 1:
-            bind(module, self.cfg.plan, self._binding(), prefix)
+        if self.placements is not None:
+            bind(module, self.placements, self._binding(), prefix)
         return module
 
     def _decide_tp_sums(self, x_aval) -> dict:
