@@ -366,7 +366,8 @@ class ParallelRun:
 
     def _split_blocks(self, model, units: Units) -> None:
         """Each block's graphdef (its own code and static attributes), non-parameter state and
-        parameter tree structure; a stacked module's layers share its single-layer graphdef."""
+        parameter tree structure, and its kind (`definition_kinds`); a stacked module's layers share
+        its single-layer graphdef."""
         blocks = getattr(model, units.blocks, None)
         if units.stacked:
             if not isinstance(blocks, nnx.Module) or hasattr(blocks, "__len__"):
@@ -384,6 +385,7 @@ class ParallelRun:
             self.n_blocks = leads.pop()
             layer = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
             self.block_defs = [g] * self.n_blocks
+            self.block_kinds = [0] * self.n_blocks
             self.block_rests = [layer(r, i) for i in range(self.n_blocks)]
             self.block_trees = [jax.tree.structure(nnx.to_pure_dict(p))] * self.n_blocks
             self._first_layer = nnx.merge(g, layer(nnx.to_pure_dict(p), 0), self.block_rests[0])
@@ -400,6 +402,7 @@ class ParallelRun:
             self.block_defs.append(g)
             self.block_rests.append(r)
             self.block_trees.append(jax.tree.structure(nnx.to_pure_dict(p)))
+        self.block_kinds = definition_kinds(self.block_defs)
 
     def _split_model_state(self, rest, units: Units) -> None:
         """The non-parameter variables (RNG streams, batch statistics, constants): the outer model's,
@@ -737,7 +740,7 @@ class ParallelRun:
             seen = {}  # blocks of one definition and piece shapes run one program: trace it once
             for i in range(self.n_blocks):
                 ks = self.block_leaves[i]
-                same = (self.block_defs[i], tuple((self.leaves[k].local, self.leaves[k].tp_dim) for k in ks))
+                same = (self.block_kinds[i], tuple((self.leaves[k].local, self.leaves[k].tp_dim) for k in ks))
                 if same not in seen:
                     stored = state["blocks"][i] if self.block_states is not None else None
                     block = lambda ws, x, e, i=i: self._block(i, ws, x, e[0], e[1], summed=False)[0]
@@ -1181,7 +1184,7 @@ class ParallelRun:
         """Which residuals of block i's vjp are functions of its weights alone (`jaxdist._residuals`),
         traced once per block definition and shapes (blocks of one definition run one program)."""
         avals = tuple((a.shape, a.dtype) for a in jax.tree.leaves((w, x, side)))
-        key = (self.block_defs[i], len(w), jax.tree.structure((x, side)), avals)
+        key = (self.block_kinds[i], len(w), jax.tree.structure((x, side)), avals)
         if key not in self._weight_only_cache:
             self._weight_only_cache[key] = weight_only(fn, w, x, side)
         return self._weight_only_cache[key]
@@ -1190,6 +1193,32 @@ class ParallelRun:
         """Sum of a unit's gathered weights, replicated pieces counted once over tp."""
         tp = self.cfg.tp
         return sum(jnp.sum(w.astype(jnp.float32)) / (tp if self.leaves[k].tp_dim is None else 1) for k, w in ws.items())
+
+
+def same_definition(a: nnx.GraphDef, b: nnx.GraphDef) -> bool:
+    """Whether two blocks' definitions (code and static attributes) are equal. Compared, never hashed:
+    a block may hold an unhashable attribute (a plain dataclass config); an attribute whose comparison
+    fails (an array's) counts as different."""
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False
+
+
+def definition_kinds(defs: list[nnx.GraphDef]) -> list[int]:
+    """For each definition, the index of the first one equal to it: blocks of one kind run one program
+    (traced once); the index, not the definition, keys what is traced per kind."""
+    firsts: list[int] = []
+    kinds = []
+    for i, d in enumerate(defs):
+        kind = next((j for j in firsts if same_definition(defs[j], d)), None)
+        if kind is None:
+            firsts.append(i)
+            kind = i
+        kinds.append(kind)
+    return kinds
 
 
 def by_dtype(keys: list, arrays: dict) -> list[list]:

@@ -179,7 +179,7 @@ class PipelineRun(ParallelRun):
         self.pp_dims = {k: self._pp_dim(self.leaves[k]) for k in self.stage_leaves}
         shapes = lambda i: [(self.leaves[k].shape, self.leaves[k].dtype) for k in self.block_leaves[i]]
         for i in range(self.n_blocks):
-            same = self.block_defs[i] == self.block_defs[0] and self.block_trees[i] == self.block_trees[0]
+            same = self.block_kinds[i] == self.block_kinds[0] and self.block_trees[i] == self.block_trees[0]
             if not (same and shapes(i) == shapes(0)):
                 raise ValueError(
                     f"Pipelined: block {i} differs from block 0 (code, static attributes or parameter shapes); "
