@@ -1,11 +1,13 @@
 """Small shims over JAX internals that moved between jax 0.10 and 0.12.
 
 Only what jaxdist needs: which mesh axes are manual (inside `shard_map`), which
-manual axes a value varies over (shard_map's `check_vma` types), and the
-StableHLO optimization barrier.
+manual axes a value varies over (shard_map's `check_vma` types), the StableHLO
+optimization barrier, and a strategy's own mesh as the context mesh (`on_mesh`).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 
@@ -38,3 +40,17 @@ def hlo_optimization_barrier(operands) -> list:
     from jax.extend.mlir.dialects import stablehlo
 
     return list(stablehlo.OptimizationBarrierOp(list(operands)).results)
+
+
+def on_mesh(mesh: jax.sharding.Mesh):
+    """A context in which `mesh` is JAX's context mesh (`jax.set_mesh`), whatever mesh the caller set.
+
+    A strategy computes on its own copy of the mesh (Auto axes); inside a user's `jax.set_mesh` of
+    another mesh, or of the same devices with Explicit axes, JAX refuses shardings of a mesh other than
+    the context's. Inside a trace (where `jax.set_mesh` is refused) the context is left as it is.
+    """
+    from jax._src import core
+
+    if not getattr(core, "trace_state_clean", lambda: True)():
+        return contextlib.nullcontext()
+    return jax.set_mesh(mesh)

@@ -47,7 +47,15 @@ from jaxdist import comm
 from jaxdist import tp as tp_math
 from jaxdist._pipeline import AsyncOp, check_buffers, kept, pipelined_loop
 from jaxdist._residuals import rebuild, weight_only, weight_only_values
-from jaxdist._step import PlacedStep, TrainState, local_batch_avals, optimizer_step
+from jaxdist._step import (
+    PlacedStep,
+    TrainState,
+    local_batch_avals,
+    on_auto_axes,
+    on_own_mesh,
+    optimizer_step,
+    own_mesh,
+)
 from jaxdist._tp_grads import tp_summed
 from jaxdist.canonical import canonical_avals, check_canonical, mirror_map, with_shardings
 from jaxdist.model_state import ModelState, keep_if, split_params, training_copy
@@ -284,11 +292,12 @@ class ParallelRun:
     def __init__(self, cfg: Parallel, model: nnx.Module, optimizer, units: Units, batch):
         self.cfg, self.optimizer, self.units = cfg, optimizer, units
         self._weight_only_cache: dict = {}
-        # outside the per-device program XLA places the optimizer math: Auto axes let it
-        # propagate the parameters' shardings whatever the user's mesh says
-        self.mesh = jax.sharding.Mesh(
-            cfg.mesh.devices, cfg.mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(cfg.mesh.axis_names)
-        )
+        self.mesh = own_mesh(cfg.mesh)
+        self._prepare(model, batch)
+
+    @on_own_mesh  # inside a user's jax.set_mesh too
+    def _prepare(self, model: nnx.Module, batch) -> None:
+        cfg, optimizer, units = self.cfg, self.optimizer, self.units
         model = training_copy(model)  # the step runs train mode; the caller's model is untouched
         self._split_blocks(model, units)
         if cfg.plan is not None and cfg.tp > 1:
@@ -529,7 +538,7 @@ class ParallelRun:
             out = [to_storage(x, leaf.tp_dim, leaf.groups, tp) for x, leaf in zip(xs, self.leaves, strict=True)]
             return self.treedef.unflatten(out)
 
-        params = jax.jit(store, out_shardings=shardings)(pure)
+        params = jax.jit(store, out_shardings=shardings)(on_auto_axes(pure))  # built inside a user's jax.set_mesh
         replicated = self._sharding(P())
         opt_shapes = jax.eval_shape(self.optimizer.init, params)
         opt_shardings = mirror_map(opt_shapes, params, lambda _, p: p.sharding, lambda _: replicated)
@@ -541,6 +550,7 @@ class ParallelRun:
         )
         return TrainState(params, opt_state, step, model_state)
 
+    @on_own_mesh
     def params(self, state: TrainState):
         """The full parameters of `state` as the single-device model holds them (an `nnx.State`)."""
         tp = self.cfg.tp
@@ -553,6 +563,7 @@ class ParallelRun:
         nnx.replace_by_pure_dict(out, self.treedef.unflatten(full))
         return out
 
+    @on_own_mesh
     def model(self, state: TrainState) -> nnx.Module:
         """An NNX model holding the parameters of `state`."""
         model_state = jax.device_put(state.model_state, self._sharding(P()))
@@ -562,6 +573,7 @@ class ParallelRun:
     # The parameters are already the model's tree, sharded like the canonical form; only grouped
     # column layers are stored in another order along their tp dimension (`to_storage`).
 
+    @on_own_mesh
     def canonical_shardings(self) -> TrainState:
         """Where the canonical state lives: parameters and the optimizer state mirroring them sharded as
         stored (over tp and the storage axis), except grouped columns (see `_canonical_spec`); everything
@@ -601,10 +613,12 @@ class ParallelRun:
         params = self.treedef.unflatten([jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self.leaves])
         return canonical_avals(self.optimizer, params, self._model_avals())
 
+    @on_own_mesh
     def canonical_target(self) -> TrainState:
         """The canonical state's ShapeDtypeStructs with shardings (what a checkpoint restores onto)."""
         return with_shardings(self._canonical_avals(), self.canonical_shardings())
 
+    @on_own_mesh
     def canonical(self, state: TrainState) -> TrainState:
         """`state` in the canonical form (single-device shapes and order), resharded inside jit."""
         return self._canonical_fn(state)
@@ -614,10 +628,11 @@ class ParallelRun:
         # built once: a new jit per call would retrace and recompile at every checkpoint
         return jax.jit(self._to_canonical, out_shardings=self.canonical_shardings())
 
+    @on_own_mesh
     def from_canonical(self, tree: TrainState) -> TrainState:
         """This run's state from a canonical one (e.g. restored from a checkpoint of another layout)."""
         check_canonical(tree, self._canonical_avals(), "Parallel")
-        return jax.jit(self._from_canonical, out_shardings=self.state_shardings)(tree)
+        return jax.jit(self._from_canonical, out_shardings=self.state_shardings)(on_auto_axes(tree))
 
     def _reorder(self, tree, convert):
         """Apply `convert(x, tp_dim, groups, tp)` to every parameter and every optimizer leaf holding a
