@@ -45,6 +45,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
+from jaxdist._compat import model_sharding_dropped
 from jaxdist._interleave import LAZY, Schedule, eval_interleaved, first_use_order
 from jaxdist._step import (
     PlacedStep,
@@ -227,6 +228,7 @@ class DDPRun:
     def _grad_fn(self):
         return jax.value_and_grad(self._loss_of_leaves, has_aux=True)
 
+    @model_sharding_dropped()  # the model's code on one rank's shapes: its own sharding annotations are no-ops
     def _grad_jaxpr(self, micro_batch=None):
         """Inputs: parameter leaves, model state leaves, batch leaves; outputs: loss, model state, count, gradients.
         `micro_batch`: the micro-batch's avals (default: `prepare`'s example batch's)."""
@@ -371,6 +373,7 @@ class DDPRun:
         new = TrainState(params, opt_state, state.step + 1, model_state)
         return new, {"loss": loss, "grad_norm": norm, "skipped": skipped}
 
+    @model_sharding_dropped()
     def _local_grads(self, params: list, model_state, step, batch):
         """This rank's `(reduced gradient leaves, model state after the step, mean loss, total count)`:
         whole gradients of replicated parameters, this rank's chunk of sharded ones; the loss and the

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
 from jaxdist import tp as tp_math
+from jaxdist._compat import model_sharding_dropped
 from jaxdist._pipeline import AsyncOp, check_buffers, kept, pipelined_loop
 from jaxdist._residuals import rebuild, weight_only, weight_only_values
 from jaxdist._step import (
@@ -716,6 +717,7 @@ class ParallelRun:
             bind(module, self.cfg.plan, self._binding(), prefix)
         return module
 
+    @model_sharding_dropped()  # the units' code on one rank's shapes: the model's own sharding annotations are no-ops
     def _decide_tp_sums(self, x_aval) -> dict:
         """Per unit ("embed", "head", block i), the replicated parameters whose gradient is summed over
         tp: those acting on values that differ per tp rank (`jaxdist._tp_grads`, from JAX's types)."""
@@ -775,6 +777,7 @@ class ParallelRun:
         cfg = self.cfg
         return {k: tp_math.copy_to_tp(w, cfg.tp_axis, cfg.backend) if k in summed else w for k, w in ws.items()}
 
+    @model_sharding_dropped()
     def _outer_apply(self, ws: dict, stored, fn, bound: bool = True):
         """`fn(model)` on the model holding the given outer pieces, zeros elsewhere (never read; XLA
         drops them) and the outer variables `stored`; returns `(out, the outer variables after)`.
@@ -801,6 +804,7 @@ class ParallelRun:
         total, count = loss if units.sum_and_count else (loss, None)
         return total, (count, aux, after)
 
+    @model_sharding_dropped()
     def _block(self, i: int, ws: dict, x, batch, stored, summed: bool = True):
         """Block i on its pieces and its variables `stored`: `(y, its variables after)`."""
         ws = self._summed(ws, i) if summed else ws
@@ -980,6 +984,7 @@ class ParallelRun:
         new = TrainState(params, opt_state, state.step + 1, model_state)
         return new, {**metrics, "grad_norm": norm, "skipped": skipped}
 
+    @model_sharding_dropped()  # the per-device program: the model's own sharding annotations are no-ops
     def _local_grads(self, params, model_state, step, batch, opt_state=None):
         """This rank's gradient pieces; with `opt_state` (update_in_backward) the updated
         parameters and optimizer state instead, each unit updated as soon as it is reduced."""

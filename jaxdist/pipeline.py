@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
 from jaxdist import pipeline_schedule as ps
+from jaxdist._compat import model_sharding_dropped
 from jaxdist.engine import Parallel, ParallelRun, Units, by_dtype
 
 IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, B_LAST = range(7)
@@ -215,6 +216,7 @@ class PipelineRun(ParallelRun):
 
     # -- the per-device program ---------------------------------------------------------------
 
+    @model_sharding_dropped()  # the per-device program: the model's own sharding annotations are no-ops
     def _local_grads(self, params, model_state, step, batch):
         cfg, s, plan = self.cfg, self.table, self.plan
         v, m = cfg.virtual, cfg.microbatches
