@@ -147,19 +147,30 @@ def _switch(name: str, original) -> Callable:
     return switched
 
 
+_found: dict = {"modules": -1, "places": []}  # the last scan: how many modules were loaded, what it found
+
+
+def _places(originals: dict[str, object]) -> list[tuple[object, str, object]]:
+    """`(module, name, original)` for every loaded module holding a sharding API under its name;
+    rescanned only when modules were loaded since the last scan (each strategy trace enters often)."""
+    if _found["modules"] != len(sys.modules):
+        places = []
+        for module in list(sys.modules.values()):
+            names = getattr(module, "__dict__", None)
+            if isinstance(names, dict):
+                places += [(module, name, fn) for name, fn in originals.items() if names.get(name) is fn]
+        _found.update(modules=len(sys.modules), places=places)
+    return [(m, name, fn) for m, name, fn in _found["places"] if vars(m).get(name) is fn]
+
+
 def _install() -> None:
     """Point every loaded module's reference to a sharding API (jax's own, flax's, the user's
     `from jax.lax import with_sharding_constraint`) at its switched version."""
     originals = _originals()
     switched = {name: _switch(name, fn) for name, fn in originals.items()}
-    for module in list(sys.modules.values()):
-        names = getattr(module, "__dict__", None)
-        if not isinstance(names, dict):
-            continue
-        for name, fn in originals.items():
-            if names.get(name) is fn:
-                _installed.append((module, name, fn))
-                setattr(module, name, switched[name])
+    for module, name, fn in _places(originals):
+        _installed.append((module, name, fn))
+        setattr(module, name, switched[name])
 
 
 def _uninstall() -> None:

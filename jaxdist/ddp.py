@@ -178,6 +178,7 @@ class DDPRun:
     def _prepare(self, model, batch):
         cfg = self.cfg
         self.graphdef, params, rest = split_for_training(model, "DDP")
+        params, rest = on_auto_axes((params, rest))  # a model built inside a user's jax.set_mesh
         self.model_state = ModelState(rest)
         stored = self.model_state.store(rest)
         self.stored_avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), stored)
@@ -271,7 +272,6 @@ class DDPRun:
 
     def _init_state(self, params, stored) -> TrainState:
         shardings = self.state_shardings
-        params, stored = on_auto_axes((params, stored))  # a model built inside a user's jax.set_mesh
         params = jax.jit(lambda p: p, out_shardings=shardings.params)(params)
         opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)

@@ -300,6 +300,7 @@ class ParallelRun:
     def _prepare(self, model: nnx.Module, batch) -> None:
         cfg, optimizer, units = self.cfg, self.optimizer, self.units
         model = training_copy(model)  # the step runs train mode; the caller's model is untouched
+        nnx.update(model, on_auto_axes(nnx.state(model)))  # a model built inside a user's jax.set_mesh
         self._split_blocks(model, units)
         if cfg.plan is not None and cfg.tp > 1:
             cfg.plan.check(model, cfg.tp, modules=self._plan_modules(model))
@@ -539,7 +540,7 @@ class ParallelRun:
             out = [to_storage(x, leaf.tp_dim, leaf.groups, tp) for x, leaf in zip(xs, self.leaves, strict=True)]
             return self.treedef.unflatten(out)
 
-        params = jax.jit(store, out_shardings=shardings)(on_auto_axes(pure))  # built inside a user's jax.set_mesh
+        params = jax.jit(store, out_shardings=shardings)(pure)
         replicated = self._sharding(P())
         opt_shapes = jax.eval_shape(self.optimizer.init, params)
         opt_shardings = mirror_map(opt_shapes, params, lambda _, p: p.sharding, lambda _: replicated)
