@@ -4,6 +4,7 @@ jit, and the optimizer side of a step in global view (norm, clip, update, skip).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
+from jaxdist._compat import on_mesh
 from jaxdist.model_state import keep_if
 
 
@@ -26,6 +28,44 @@ class TrainState:
     opt_state: Any
     step: jax.Array
     model_state: Any = dataclasses.field(default_factory=dict)
+
+
+def own_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """The strategy's copy of `mesh`: the same devices and names with Auto axes, so that outside the
+    per-device program XLA places the optimizer math, propagating the parameters' shardings whatever
+    axis types the user's mesh has."""
+    auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+
+
+def on_auto_axes(tree):
+    """`tree` with every array sharded over a mesh of Explicit axes retyped onto the same devices and
+    spec with Auto axes (no data moves): a model built inside a user's `jax.set_mesh` holds such
+    arrays, and the strategy's programs, on its own mesh of Auto axes, refuse operands typed by
+    another mesh's axes."""
+
+    def retype(x):
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            return x
+        sharding = x.sharding
+        if isinstance(sharding, NamedSharding) and jax.sharding.AxisType.Explicit in sharding.mesh.axis_types:
+            return jax.device_put(x, NamedSharding(own_mesh(sharding.mesh), sharding.spec))
+        return x
+
+    return jax.tree.map(retype, tree)
+
+
+def on_own_mesh(method: Callable) -> Callable:
+    """`method` of a prepared run, run with the run's own mesh (`self.mesh`) as JAX's context mesh:
+    inside a user's `jax.set_mesh` (of this mesh with Explicit axes, or of another mesh) it computes
+    what it computes outside one."""
+
+    @functools.wraps(method)
+    def on_the_run_mesh(self, *args, **kwargs):
+        with on_mesh(self.mesh):
+            return method(self, *args, **kwargs)
+
+    return on_the_run_mesh
 
 
 def local_batch_avals(batch, ranks: int, who: str, fix: str):
@@ -46,25 +86,29 @@ class PlacedStep:
 
     A strategy that computes on its own copy of the mesh (e.g. with Auto axes, so XLA places the
     optimizer math) must not mix shardings of two mesh objects in one program (jax >= 0.11 refuses
-    it): a batch sharded over the caller's mesh is moved onto the strategy's first, outside jit.
-    `lower` does the same, for reading the compiled program. `check(batch)`, when given, runs first:
-    a batch of another shape than `prepare`'s example is fine where it splits as the strategy needs,
-    and a clear error (naming the fix) where it does not.
+    it): a batch sharded over the caller's mesh is moved onto the strategy's first, outside jit, and
+    the step is traced and run with the strategy's mesh as the context mesh (a caller's
+    `jax.set_mesh` does not reach it). `lower` does the same, for reading the compiled program.
+    `check(batch)`, when given, runs first: a batch of another shape than `prepare`'s example is fine
+    where it splits as the strategy needs, and a clear error (naming the fix) where it does not.
     """
 
     def __init__(self, step: Callable, batch_sharding: NamedSharding, check: Callable[[Any], Any] | None = None):
         self.jitted = jax.jit(step, donate_argnums=0)
         self.batch_sharding = batch_sharding
         self.check = check
+        self.mesh = batch_sharding.mesh
 
     def _place(self, batch):
         if self.check is not None:
             self.check(batch)
         return jax.tree.map(lambda x: jax.device_put(x, self.batch_sharding), batch)
 
+    @on_own_mesh
     def __call__(self, state, batch):
         return self.jitted(state, self._place(batch))
 
+    @on_own_mesh
     def lower(self, state, batch):
         return self.jitted.lower(state, self._place(batch))
 

@@ -45,8 +45,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
+from jaxdist._compat import model_sharding_dropped
 from jaxdist._interleave import LAZY, Schedule, eval_interleaved, first_use_order
-from jaxdist._step import PlacedStep, TrainState, local_batch_avals, optimizer_step
+from jaxdist._step import (
+    PlacedStep,
+    TrainState,
+    local_batch_avals,
+    on_auto_axes,
+    on_own_mesh,
+    optimizer_step,
+    own_mesh,
+)
 from jaxdist.buckets import (
     DEFAULT_BUCKET_SIZE,
     BucketLayout,
@@ -162,12 +171,14 @@ class DDPRun:
         self.cfg = cfg
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        # outside the per-device program XLA places the optimizer math: Auto axes let it propagate
-        # the parameters' shardings whatever the user's mesh says (as the unit engine does)
-        self.mesh = jax.sharding.Mesh(
-            cfg.mesh.devices, cfg.mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(cfg.mesh.axis_names)
-        )
+        self.mesh = own_mesh(cfg.mesh)
+        self._prepare(model, batch)
+
+    @on_own_mesh  # inside a user's jax.set_mesh too
+    def _prepare(self, model, batch):
+        cfg = self.cfg
         self.graphdef, params, rest = split_for_training(model, "DDP")
+        params, rest = on_auto_axes((params, rest))  # a model built inside a user's jax.set_mesh
         self.model_state = ModelState(rest)
         stored = self.model_state.store(rest)
         self.stored_avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), stored)
@@ -218,6 +229,7 @@ class DDPRun:
     def _grad_fn(self):
         return jax.value_and_grad(self._loss_of_leaves, has_aux=True)
 
+    @model_sharding_dropped()  # the model's code on one rank's shapes: its own sharding annotations are no-ops
     def _grad_jaxpr(self, micro_batch=None):
         """Inputs: parameter leaves, model state leaves, batch leaves; outputs: loss, model state, count, gradients.
         `micro_batch`: the micro-batch's avals (default: `prepare`'s example batch's)."""
@@ -265,10 +277,12 @@ class DDPRun:
         step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
         return TrainState(params, opt_state, step, jax.device_put(stored, self._sharding(P())))
 
+    @on_own_mesh
     def params(self, state: TrainState):
         """The full parameters (an `nnx.State`, replicated) of `state`."""
         return jax.device_put(state.params, self._sharding(P()))
 
+    @on_own_mesh
     def model(self, state: TrainState) -> nnx.Module:
         """An NNX model (in train mode; call `.eval()` for inference) holding the parameters and the
         model state (e.g. running statistics) of `state`."""
@@ -279,6 +293,7 @@ class DDPRun:
     # The parameters are already the model's tree, sharded as the canonical form is: converting
     # is renaming (an nnx.State <-> its pure dict), no data moves.
 
+    @on_own_mesh
     def canonical_shardings(self) -> TrainState:
         """Where the canonical state lives: where this run stores it (under zero1 each parameter and its
         optimizer state split over the axis along the first dimension that divides; else replicated)."""
@@ -290,6 +305,7 @@ class DDPRun:
     def _canonical_avals(self) -> TrainState:
         return canonical_avals(self.optimizer, self.pure_treedef.unflatten(self.param_avals), self.stored_avals)
 
+    @on_own_mesh
     def canonical(self, state: TrainState) -> TrainState:
         """`state` in the canonical form (parameters as the model's pure dict, the optimizer state of
         `optimizer.init` on it), resharded inside jit onto `canonical_shardings()`."""
@@ -300,11 +316,13 @@ class DDPRun:
         # built once: a new jit per call would retrace and recompile at every checkpoint
         return resharding(self._to_canonical, self.cfg.mesh, self.canonical_shardings())
 
+    @on_own_mesh
     def from_canonical(self, tree: TrainState) -> TrainState:
         """This run's state from a canonical one (e.g. restored from a checkpoint of another layout)."""
         check_canonical(tree, self._canonical_avals(), "DDP")
-        return resharding(self._from_canonical, self.cfg.mesh, self.state_shardings)(tree)
+        return resharding(self._from_canonical, self.cfg.mesh, self.state_shardings)(on_auto_axes(tree))
 
+    @on_own_mesh
     def canonical_target(self) -> TrainState:
         """The canonical state's ShapeDtypeStructs with shardings (what a checkpoint restores onto)."""
         return with_shardings(self._canonical_avals(), self.canonical_shardings())
@@ -355,6 +373,7 @@ class DDPRun:
         new = TrainState(params, opt_state, state.step + 1, model_state)
         return new, {"loss": loss, "grad_norm": norm, "skipped": skipped}
 
+    @model_sharding_dropped()
     def _local_grads(self, params: list, model_state, step, batch):
         """This rank's `(reduced gradient leaves, model state after the step, mean loss, total count)`:
         whole gradients of replicated parameters, this rank's chunk of sharded ones; the loss and the

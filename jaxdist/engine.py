@@ -45,9 +45,18 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
 from jaxdist import tp as tp_math
+from jaxdist._compat import model_sharding_dropped
 from jaxdist._pipeline import AsyncOp, check_buffers, kept, pipelined_loop
 from jaxdist._residuals import rebuild, weight_only, weight_only_values
-from jaxdist._step import PlacedStep, TrainState, local_batch_avals, optimizer_step
+from jaxdist._step import (
+    PlacedStep,
+    TrainState,
+    local_batch_avals,
+    on_auto_axes,
+    on_own_mesh,
+    optimizer_step,
+    own_mesh,
+)
 from jaxdist._tp_grads import tp_summed
 from jaxdist.canonical import canonical_avals, check_canonical, mirror_map, with_shardings
 from jaxdist.model_state import ModelState, keep_if, split_params, training_copy
@@ -284,12 +293,14 @@ class ParallelRun:
     def __init__(self, cfg: Parallel, model: nnx.Module, optimizer, units: Units, batch):
         self.cfg, self.optimizer, self.units = cfg, optimizer, units
         self._weight_only_cache: dict = {}
-        # outside the per-device program XLA places the optimizer math: Auto axes let it
-        # propagate the parameters' shardings whatever the user's mesh says
-        self.mesh = jax.sharding.Mesh(
-            cfg.mesh.devices, cfg.mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(cfg.mesh.axis_names)
-        )
+        self.mesh = own_mesh(cfg.mesh)
+        self._prepare(model, batch)
+
+    @on_own_mesh  # inside a user's jax.set_mesh too
+    def _prepare(self, model: nnx.Module, batch) -> None:
+        cfg, optimizer, units = self.cfg, self.optimizer, self.units
         model = training_copy(model)  # the step runs train mode; the caller's model is untouched
+        nnx.update(model, on_auto_axes(nnx.state(model)))  # a model built inside a user's jax.set_mesh
         self._split_blocks(model, units)
         self.graphdef, params, rest = split_params(model, type(cfg).__name__)
         self._split_model_state(rest, units)
@@ -365,7 +376,8 @@ class ParallelRun:
 
     def _split_blocks(self, model, units: Units) -> None:
         """Each block's graphdef (its own code and static attributes), non-parameter state and
-        parameter tree structure; a stacked module's layers share its single-layer graphdef."""
+        parameter tree structure, and its kind (`definition_kinds`); a stacked module's layers share
+        its single-layer graphdef."""
         blocks = getattr(model, units.blocks, None)
         if units.stacked:
             if not isinstance(blocks, nnx.Module) or hasattr(blocks, "__len__"):
@@ -383,6 +395,7 @@ class ParallelRun:
             self.n_blocks = leads.pop()
             layer = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
             self.block_defs = [g] * self.n_blocks
+            self.block_kinds = [0] * self.n_blocks
             self.block_rests = [layer(r, i) for i in range(self.n_blocks)]
             self.block_trees = [jax.tree.structure(nnx.to_pure_dict(p))] * self.n_blocks
             self._first_layer = nnx.merge(g, layer(nnx.to_pure_dict(p), 0), self.block_rests[0])
@@ -399,6 +412,7 @@ class ParallelRun:
             self.block_defs.append(g)
             self.block_rests.append(r)
             self.block_trees.append(jax.tree.structure(nnx.to_pure_dict(p)))
+        self.block_kinds = definition_kinds(self.block_defs)
 
     def _split_model_state(self, rest, units: Units) -> None:
         """The non-parameter variables (RNG streams, batch statistics, constants): the outer model's,
@@ -563,6 +577,7 @@ class ParallelRun:
         )
         return TrainState(params, opt_state, step, model_state)
 
+    @on_own_mesh
     def params(self, state: TrainState):
         """The full parameters of `state` as the single-device model holds them (an `nnx.State`)."""
         tp = self.cfg.tp
@@ -575,6 +590,7 @@ class ParallelRun:
         nnx.replace_by_pure_dict(out, self.treedef.unflatten(full))
         return out
 
+    @on_own_mesh
     def model(self, state: TrainState) -> nnx.Module:
         """An NNX model holding the parameters of `state`."""
         model_state = jax.device_put(state.model_state, self._sharding(P()))
@@ -584,6 +600,7 @@ class ParallelRun:
     # The parameters are already the model's tree, sharded like the canonical form; only grouped
     # column layers are stored in another order along their tp dimension (`to_storage`).
 
+    @on_own_mesh
     def canonical_shardings(self) -> TrainState:
         """Where the canonical state lives: parameters and the optimizer state mirroring them sharded as
         stored (over tp and the storage axis), except grouped columns (see `_canonical_spec`); everything
@@ -623,10 +640,12 @@ class ParallelRun:
         params = self.treedef.unflatten([jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self.leaves])
         return canonical_avals(self.optimizer, params, self._model_avals())
 
+    @on_own_mesh
     def canonical_target(self) -> TrainState:
         """The canonical state's ShapeDtypeStructs with shardings (what a checkpoint restores onto)."""
         return with_shardings(self._canonical_avals(), self.canonical_shardings())
 
+    @on_own_mesh
     def canonical(self, state: TrainState) -> TrainState:
         """`state` in the canonical form (single-device shapes and order), resharded inside jit."""
         return self._canonical_fn(state)
@@ -636,10 +655,11 @@ class ParallelRun:
         # built once: a new jit per call would retrace and recompile at every checkpoint
         return jax.jit(self._to_canonical, out_shardings=self.canonical_shardings())
 
+    @on_own_mesh
     def from_canonical(self, tree: TrainState) -> TrainState:
         """This run's state from a canonical one (e.g. restored from a checkpoint of another layout)."""
         check_canonical(tree, self._canonical_avals(), "Parallel")
-        return jax.jit(self._from_canonical, out_shardings=self.state_shardings)(tree)
+        return jax.jit(self._from_canonical, out_shardings=self.state_shardings)(on_auto_axes(tree))
 
     def _reorder(self, tree, convert):
         """Apply `convert(x, tp_dim, groups, tp)` to every parameter and every optimizer leaf holding a
@@ -728,6 +748,7 @@ class ParallelRun:
             bind(module, self.placements, self._binding(), prefix)
         return module
 
+    @model_sharding_dropped()  # the units' code on one rank's shapes: the model's own sharding annotations are no-ops
     def _decide_tp_sums(self, x_aval) -> dict:
         """Per unit ("embed", "head", block i), the replicated parameters whose gradient is summed over
         tp: those acting on values that differ per tp rank (`jaxdist._tp_grads`, from JAX's types)."""
@@ -767,7 +788,7 @@ class ParallelRun:
             seen = {}  # blocks of one definition and piece shapes run one program: trace it once
             for i in range(self.n_blocks):
                 ks = self.block_leaves[i]
-                same = (self.block_defs[i], tuple((self.leaves[k].local, self.leaves[k].tp_dim) for k in ks))
+                same = (self.block_kinds[i], tuple((self.leaves[k].local, self.leaves[k].tp_dim) for k in ks))
                 if same not in seen:
                     stored = state["blocks"][i] if self.block_states is not None else None
                     block = lambda ws, x, e, i=i: self._block(i, ws, x, e[0], e[1], summed=False)[0]
@@ -787,6 +808,7 @@ class ParallelRun:
         cfg = self.cfg
         return {k: tp_math.copy_to_tp(w, cfg.tp_axis, cfg.backend) if k in summed else w for k, w in ws.items()}
 
+    @model_sharding_dropped()
     def _outer_apply(self, ws: dict, stored, fn, bound: bool = True):
         """`fn(model)` on the model holding the given outer pieces, zeros elsewhere (never read; XLA
         drops them) and the outer variables `stored`; returns `(out, the outer variables after)`.
@@ -813,6 +835,7 @@ class ParallelRun:
         total, count = loss if units.sum_and_count else (loss, None)
         return total, (count, aux, after)
 
+    @model_sharding_dropped()
     def _block(self, i: int, ws: dict, x, batch, stored, summed: bool = True):
         """Block i on its pieces and its variables `stored`: `(y, its variables after)`."""
         ws = self._summed(ws, i) if summed else ws
@@ -992,6 +1015,7 @@ class ParallelRun:
         new = TrainState(params, opt_state, state.step + 1, model_state)
         return new, {**metrics, "grad_norm": norm, "skipped": skipped}
 
+    @model_sharding_dropped()  # the per-device program: the model's own sharding annotations are no-ops
     def _local_grads(self, params, model_state, step, batch, opt_state=None):
         """This rank's gradient pieces; with `opt_state` (update_in_backward) the updated
         parameters and optimizer state instead, each unit updated as soon as it is reduced."""
@@ -1211,7 +1235,7 @@ class ParallelRun:
         """Which residuals of block i's vjp are functions of its weights alone (`jaxdist._residuals`),
         traced once per block definition and shapes (blocks of one definition run one program)."""
         avals = tuple((a.shape, a.dtype) for a in jax.tree.leaves((w, x, side)))
-        key = (self.block_defs[i], len(w), jax.tree.structure((x, side)), avals)
+        key = (self.block_kinds[i], len(w), jax.tree.structure((x, side)), avals)
         if key not in self._weight_only_cache:
             self._weight_only_cache[key] = weight_only(fn, w, x, side)
         return self._weight_only_cache[key]
@@ -1220,6 +1244,32 @@ class ParallelRun:
         """Sum of a unit's gathered weights, replicated pieces counted once over tp."""
         tp = self.cfg.tp
         return sum(jnp.sum(w.astype(jnp.float32)) / (tp if self.leaves[k].tp_dim is None else 1) for k, w in ws.items())
+
+
+def same_definition(a: nnx.GraphDef, b: nnx.GraphDef) -> bool:
+    """Whether two blocks' definitions (code and static attributes) are equal. Compared, never hashed:
+    a block may hold an unhashable attribute (a plain dataclass config); an attribute whose comparison
+    fails (an array's) counts as different."""
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False
+
+
+def definition_kinds(defs: list[nnx.GraphDef]) -> list[int]:
+    """For each definition, the index of the first one equal to it: blocks of one kind run one program
+    (traced once); the index, not the definition, keys what is traced per kind."""
+    firsts: list[int] = []
+    kinds = []
+    for i, d in enumerate(defs):
+        kind = next((j for j in firsts if same_definition(defs[j], d)), None)
+        if kind is None:
+            firsts.append(i)
+            kind = i
+        kinds.append(kind)
+    return kinds
 
 
 def by_dtype(keys: list, arrays: dict) -> list[list]:

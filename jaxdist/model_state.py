@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist import comm
+from jaxdist._compat import model_sharding_dropped
 
 
 def training_copy(model: nnx.Module) -> nnx.Module:
@@ -121,6 +122,10 @@ class ModelState:
         runs): they complete the model and are dropped from the result.
         """
         fixed = fixed or {}
+        with model_sharding_dropped():  # the model runs per device: its own sharding annotations are no-ops
+            return self._apply(graphdef, params, stored, fn, fixed)
+
+    def _apply(self, graphdef, params, stored, fn, fixed):
         model = nnx.merge(graphdef, params, nnx.State({**self.load(stored), **fixed}))
         out = fn(model)
         after = nnx.split(model, nnx.Param, ...)[2]

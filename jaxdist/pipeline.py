@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
 from jaxdist import pipeline_schedule as ps
+from jaxdist._compat import model_sharding_dropped
 from jaxdist.engine import Parallel, ParallelRun, Units, by_dtype
 
 IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, B_LAST = range(7)
@@ -179,7 +180,7 @@ class PipelineRun(ParallelRun):
         self.pp_dims = {k: self._pp_dim(self.leaves[k]) for k in self.stage_leaves}
         shapes = lambda i: [(self.leaves[k].shape, self.leaves[k].dtype) for k in self.block_leaves[i]]
         for i in range(self.n_blocks):
-            same = self.block_defs[i] == self.block_defs[0] and self.block_trees[i] == self.block_trees[0]
+            same = self.block_kinds[i] == self.block_kinds[0] and self.block_trees[i] == self.block_trees[0]
             if not (same and shapes(i) == shapes(0)):
                 raise ValueError(
                     f"Pipelined: block {i} differs from block 0 (code, static attributes or parameter shapes); "
@@ -215,6 +216,7 @@ class PipelineRun(ParallelRun):
 
     # -- the per-device program ---------------------------------------------------------------
 
+    @model_sharding_dropped()  # the per-device program: the model's own sharding annotations are no-ops
     def _local_grads(self, params, model_state, step, batch):
         cfg, s, plan = self.cfg, self.table, self.plan
         v, m = cfg.virtual, cfg.microbatches
