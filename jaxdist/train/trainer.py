@@ -34,7 +34,7 @@ from jaxdist.train.decay_mask import adamw, decay_mask
 from jaxdist.train.gpt import FLAVORS, GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for
 from jaxdist.train.launch import initialize_args
 from jaxdist.train.report import info
-from jaxdist.train.step_watchdog import StepWatchdog, timeout_from
+from jaxdist.train.step_watchdog import StepWatchdog, StopDeadline, stop_grace, timeout_from
 
 # Datasheet dense bf16 peak, FLOP/s, by device kind: the MFU denominator of Megatron, torchtitan
 # and MaxText (the H200 has the H100's tensor cores; ~790 TFLOP/s is the best rate measured on it)
@@ -452,9 +452,11 @@ class _StopRequests:
     def __init__(self):
         self.requested = False
         self.previous = {}
+        self.deadline = None
         if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.previous[sig] = signal.signal(sig, self._handle)
+            self.deadline = StopDeadline(stop_grace())  # a rank stuck in a collective never reaches the boundary
 
     def _handle(self, signum, frame):
         if self.requested:
@@ -467,6 +469,8 @@ class _StopRequests:
             raise KeyboardInterrupt
 
     def close(self) -> None:
+        if self.deadline is not None:
+            self.deadline.close()
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
