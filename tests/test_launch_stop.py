@@ -105,3 +105,43 @@ def test_a_trainer_stuck_where_its_stop_cannot_act_ends_itself_after_the_grace_p
     finally:
         end(proc)
         kill_if_alive(pids)
+
+
+def worker_pids(launcher: int) -> dict[int, int]:
+    """{rank: pid} of the workers `launcher` started (its children, by their JAXDIST_PROCESS_ID)."""
+    ranks = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(") ", 1)[1].split()[1])
+            if ppid == launcher:
+                env = (stat.parent / "environ").read_bytes().split(b"\0")
+                rank = next(int(v.split(b"=")[1]) for v in env if v.startswith(b"JAXDIST_PROCESS_ID="))
+                ranks[rank] = int(stat.parent.name)
+        except (OSError, StopIteration, IndexError, ValueError):
+            continue
+    return ranks
+
+
+@pytest.mark.slow  # a 2-process training run: ~2 min on 2 shared cores, most of it starting up
+def test_a_stopped_worker_is_named_as_the_rank_that_stopped_making_progress(tmp_path):
+    env = dict(os.environ, JAXDIST_HEARTBEAT_TIMEOUT_S="10")  # jax's 100 s would make this test slow
+    env.pop("XLA_FLAGS", None)
+    train = ["jaxdist", "train", "model.flavor=tiny", "data.batch_size=16", "run.steps=100000", "run.log_every=1"]
+    train += ["run.checkpoint_every=-1", "run.progress=false", f"run.out_dir={tmp_path / 'run'}"]
+    proc = start([*LAUNCH, "--cpu-devices", "4", "--", *train], env)
+    wait_for_lines(proc, r"^\[rank 0\] step 3 ", 1, 300)
+    pids = worker_pids(proc.pid)
+    try:
+        assert sorted(pids) == [0, 1]
+        os.kill(pids[1], signal.SIGSTOP)
+        began = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode != 0
+        verdict = [line for line in err.splitlines() if line.startswith("jaxdist launch:")]
+        assert len(verdict) == 1, err[-3000:]
+        assert verdict[0].startswith(f"jaxdist launch: rank 1 (pid {pids[1]}) stopped making progress"), verdict
+        assert time.monotonic() - began < 90
+        assert all(gone(pid) for pid in pids.values())  # the stopped one too
+    finally:
+        end(proc)
+        kill_if_alive(list(pids.values()))
