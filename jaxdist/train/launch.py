@@ -156,6 +156,7 @@ def launch(cmd: list[str], n: int, *, cpu_devices: int | None = None, port: int 
     stop = _Signals(procs)  # before the first worker starts: a stop must never leave one behind
     for i in range(n):
         env = dict(os.environ, JAXDIST_COORDINATOR=address, JAXDIST_NUM_PROCESSES=str(n), JAXDIST_PROCESS_ID=str(i))
+        env["JAXDIST_LOCAL_PROCESSES"] = str(n)  # they share this host's memory (jaxdist.train.memory)
         if shares[i] is not None:
             env["CUDA_VISIBLE_DEVICES"] = shares[i]
         if cpu_devices:

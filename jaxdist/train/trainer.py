@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.train import hooks, run_dir
+from jaxdist.train import hooks, memory, run_dir
 from jaxdist.train import schedule as schedule_lib
 from jaxdist.train.checkpoint import CheckpointError, Checkpoints, check_same_model
 from jaxdist.train.config import ConfigError, TrainConfig, validate
@@ -336,6 +336,11 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
         info(f"resumed from {ckpt.directory} at step {start}{moved}")
         if start >= cfg.run.steps:
             info(f"the run already has its {cfg.run.steps} steps; raise run.steps to train further")
+
+    if cfg.run.steps > start and hasattr(run.step, "compile"):  # (a step wrapped by a caller has none)
+        # compiled now, the executable the loop runs: refused here if it cannot fit
+        compiled = run.step.compile(state, example)
+        memory.check_fits(compiled.memory_analysis(), jax.local_devices()[0], jax.local_device_count())
 
     log = MetricsLog(out_dir, cfg.run.tensorboard, start)
     peak = PEAK_FLOPS.get(jax.local_devices()[0].device_kind) if mcfg.dtype == jnp.bfloat16 else None
