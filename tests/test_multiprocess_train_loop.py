@@ -6,6 +6,7 @@ validation losses of the two-part, two-process run match it (rtol 1e-5: two proc
 order on CPU). Each launch has a deadline, so a hang fails the test instead of holding CI.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -58,8 +59,9 @@ def launch(args: list[str], out: Path) -> subprocess.CompletedProcess:
     try:
         stdout, stderr = proc.communicate(timeout=DEADLINE_S)
     except subprocess.TimeoutExpired:
-        for pid in [proc.pid, *children(proc.pid)]:  # the launcher and the workers it started (own groups)
-            os.killpg(pid, signal.SIGKILL)
+        for pid in [*children(proc.pid), proc.pid]:  # the workers (each its own group) and the launcher
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         pytest.fail(f"the 2-process run did not finish within {DEADLINE_S} s:\n{stdout[-2000:]}\n{stderr[-3000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
