@@ -98,6 +98,7 @@ class PlacedStep:
         self.batch_sharding = batch_sharding
         self.check = check
         self.mesh = batch_sharding.mesh
+        self.compiled = None  # `compile`'s executable, run while the arguments are those it was made for
 
     def _place(self, batch):
         if self.check is not None:
@@ -106,11 +107,27 @@ class PlacedStep:
 
     @on_own_mesh
     def __call__(self, state, batch):
-        return self.jitted(state, self._place(batch))
+        placed = self._place(batch)
+        if self.compiled is not None:
+            try:
+                return self.compiled(state, placed)
+            except (TypeError, ValueError):  # other shapes or shardings than it was compiled for (checked first)
+                self.compiled = None
+        return self.jitted(state, placed)
 
     @on_own_mesh
     def lower(self, state, batch):
         return self.jitted.lower(state, self._place(batch))
+
+    @on_own_mesh
+    def compile(self, state, batch) -> jax.stages.Compiled:
+        """Compile the step for `state` and batches shaped like `batch` now (e.g. to read its
+        `memory_analysis()` before running it); the steps then run this executable, not a second compile."""
+        if self.check is not None:
+            self.check(batch)
+        avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.batch_sharding), batch)
+        self.compiled = self.jitted.lower(state, avals).compile()
+        return self.compiled
 
 
 def optimizer_step(

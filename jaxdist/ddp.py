@@ -280,14 +280,20 @@ class DDPRun:
     @on_own_mesh
     def params(self, state: TrainState):
         """The full parameters (an `nnx.State`, replicated) of `state`."""
-        return jax.device_put(state.params, self._sharding(P()))
+        return self._replicated(state.params)
 
     @on_own_mesh
     def model(self, state: TrainState) -> nnx.Module:
         """An NNX model (in train mode; call `.eval()` for inference) holding the parameters and the
         model state (e.g. running statistics) of `state`."""
-        rest = self.model_state.load(jax.device_put(state.model_state, self._sharding(P())))
-        return nnx.merge(self.graphdef, self.params(state), rest)
+        params, model_state = self._replicated((state.params, state.model_state))
+        return nnx.merge(self.graphdef, params, self.model_state.load(model_state))
+
+    @functools.cached_property
+    def _replicated(self):
+        # one program that every process runs, not a cross-process `device_put` per leaf: independent
+        # programs may run concurrently and meet their collectives in another order in each process
+        return jax.jit(lambda tree: tree, out_shardings=self._sharding(P()))
 
     # -- the canonical state (jaxdist.canonical) ------------------------------
     # The parameters are already the model's tree, sharded as the canonical form is: converting

@@ -579,22 +579,33 @@ class ParallelRun:
 
     @on_own_mesh
     def params(self, state: TrainState):
-        """The full parameters of `state` as the single-device model holds them (an `nnx.State`)."""
-        tp = self.cfg.tp
-        xs = jax.tree.leaves(state.params)
-        full = [
-            jax.device_put(from_storage(x, leaf.tp_dim, leaf.groups, tp), self._sharding(P()))
-            for x, leaf in zip(xs, self.leaves, strict=True)
-        ]
-        out = jax.tree.map(lambda x: x, self.template)
-        nnx.replace_by_pure_dict(out, self.treedef.unflatten(full))
-        return out
+        """The full parameters of `state` as the single-device model holds them (an `nnx.State`), replicated."""
+        return self._as_params(self._replicated(state.params, None)[0])
 
     @on_own_mesh
     def model(self, state: TrainState) -> nnx.Module:
         """An NNX model holding the parameters of `state`."""
-        model_state = jax.device_put(state.model_state, self._sharding(P()))
-        return nnx.merge(self.graphdef, self.params(state), self._rest(model_state))
+        full, model_state = self._replicated(state.params, state.model_state)
+        return nnx.merge(self.graphdef, self._as_params(full), self._rest(model_state))
+
+    def _as_params(self, full: list) -> nnx.State:
+        out = jax.tree.map(lambda x: x, self.template)
+        nnx.replace_by_pure_dict(out, self.treedef.unflatten(full))
+        return out
+
+    @functools.cached_property
+    def _replicated(self):
+        # one program that every process runs: a `device_put` per leaf starts a small cross-process program
+        # each, and independent programs may run concurrently (CPU, gloo), their collectives then met in
+        # another order by each process: a hang
+        def full(params, model_state):
+            xs = jax.tree.leaves(params)
+            tp = self.cfg.tp
+            return [from_storage(x, leaf.tp_dim, leaf.groups, tp) for x, leaf in zip(xs, self.leaves, strict=True)], (
+                model_state
+            )
+
+        return jax.jit(full, out_shardings=self._sharding(P()))
 
     # -- the canonical state (jaxdist.canonical) ---------------------------------------
     # The parameters are already the model's tree, sharded like the canonical form; only grouped

@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     la.add_argument("-n", "--processes", type=int, required=True)
     la.add_argument("--cpu-devices", type=int, default=None, help="simulated CPU devices per process (no GPU)")
     la.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
+    la.add_argument(
+        "--grace", type=float, default=30.0, help="seconds workers get after SIGTERM / Ctrl-C before they are killed"
+    )
     la.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- jaxdist train ...")
     ex = sub.add_parser("export", help="write a run's parameters as a plain orbax checkpoint (see README)")
     ex.add_argument("run_dir")
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         from jaxdist.train.launch import launch
 
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-        return launch(cmd, args.processes, cpu_devices=args.cpu_devices, port=args.port)
+        return launch(cmd, args.processes, cpu_devices=args.cpu_devices, port=args.port, grace_s=args.grace)
     if args.command == "export":
         return _export(args)
     from jaxdist.train.plot import plot

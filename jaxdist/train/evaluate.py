@@ -66,7 +66,9 @@ class Evaluator:
         graphdef, params = nnx.split(model)
         if self.loss is None:
             self.loss = self._build(graphdef)
-        sums = jax.block_until_ready([self.loss(params, batch, weights) for batch, weights in self.batches])
+        # one batch's program at a time: independent programs in flight together may run their collectives
+        # in another order in each process (a multi-process hang), so none is started before the last ends
+        sums = [jax.block_until_ready(self.loss(params, batch, weights)) for batch, weights in self.batches]
         # every row has seq_len tokens: the mean over rows is the mean over all their tokens
         total = np.sum([np.asarray(x.addressable_data(0), np.float64) for x in sums], axis=0)
         return float(total[0] / total[1])

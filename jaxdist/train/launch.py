@@ -11,7 +11,11 @@ overrides that for multi-node runs. Without GPUs each process simulates
 On a GPU machine each process gets its share of the visible GPUs (CUDA_VISIBLE_DEVICES).
 Each worker's output lines come prefixed with its rank. If one worker dies, the
 launcher says which and how, stops the others at once and exits non-zero, so
-nothing waits forever.
+nothing waits forever; a worker that is stopped (SIGSTOP, process state T) when
+another dies is named as the one that stopped making progress, since the others
+fail waiting for it. SIGTERM or Ctrl-C to the launcher goes to every worker;
+whatever still runs `grace_s` later is killed, and the launcher exits with
+128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -31,9 +35,14 @@ from collections.abc import Mapping
 _GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
 
+HEARTBEAT_ENV = "JAXDIST_HEARTBEAT_TIMEOUT_S"  # seconds without a heartbeat before a process counts as dead
+GRACE_S = 30.0  # after a stop: how long workers get to save and exit before they are killed
+
+
 def initialize_args(env: Mapping[str, str]) -> dict:
     """Keyword arguments for `jax.distributed.initialize` from the environment `jaxdist launch` sets
-    (empty under SLURM / Open MPI, whose detection jax does itself, unless JAXDIST_COORDINATOR_BIND is set)."""
+    (empty under SLURM / Open MPI, whose detection jax does itself, unless JAXDIST_COORDINATOR_BIND is set);
+    $JAXDIST_HEARTBEAT_TIMEOUT_S sets how long a silent process is given before every process fails (jax: 100)."""
     args = {}
     if env.get("JAXDIST_COORDINATOR"):
         args = {
@@ -45,6 +54,8 @@ def initialize_args(env: Mapping[str, str]) -> dict:
         }
     if env.get("JAXDIST_COORDINATOR_BIND"):
         args["coordinator_bind_address"] = env["JAXDIST_COORDINATOR_BIND"]
+    if env.get(HEARTBEAT_ENV):
+        args["heartbeat_timeout_seconds"] = int(env[HEARTBEAT_ENV])
     return args
 
 
@@ -54,11 +65,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop(procs, grace_s: float = 3.0) -> None:
-    """SIGTERM the processes still running, then SIGKILL whatever outlives the grace period."""
+def _stop(procs, grace_s: float = 3.0, sig: int = signal.SIGTERM) -> None:
+    """Send `sig` to the processes still running, then SIGKILL whatever outlives the grace period."""
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+            p.send_signal(sig)
+            p.send_signal(signal.SIGCONT)  # a stopped process sees the signal only once it runs again
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:
@@ -66,6 +78,20 @@ def _stop(procs, grace_s: float = 3.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state of process `pid` in /proc/PID/stat (R, S, D, T stopped, t traced, Z...), None if gone."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()[0]  # the name, in parentheses, may hold spaces
+
+
+def stopped_ranks(procs) -> list[int]:
+    """The ranks whose process runs no more (stopped by a signal or a debugger) while it still exists."""
+    return [rank for rank, p in enumerate(procs) if p.poll() is None and process_state(p.pid) in ("T", "t")]
 
 
 def _how(code: int) -> str:
@@ -109,7 +135,8 @@ def gpus_for_rank(gpus: list[str], n: int, rank: int) -> str | None:
     return ",".join(gpus[rank * k : (rank + 1) * k])
 
 
-def launch(cmd: list[str], n: int, *, cpu_devices: int | None = None, port: int = 0) -> int:
+def launch(cmd: list[str], n: int, *, cpu_devices: int | None = None, port: int = 0, grace_s: float = GRACE_S) -> int:
+    """Run `cmd` as `n` processes; the exit status is 0 when all succeed, else the failure's (see the module)."""
     if not cmd:
         print("jaxdist launch: give the command after --, e.g. jaxdist launch -n 2 -- jaxdist train", file=sys.stderr)
         return 2
@@ -126,8 +153,10 @@ def launch(cmd: list[str], n: int, *, cpu_devices: int | None = None, port: int 
         print(f"jaxdist launch: {e}", file=sys.stderr)
         return 2
     procs, relays, lock = [], [], threading.Lock()
+    stop = _Signals(procs)  # before the first worker starts: a stop must never leave one behind
     for i in range(n):
         env = dict(os.environ, JAXDIST_COORDINATOR=address, JAXDIST_NUM_PROCESSES=str(n), JAXDIST_PROCESS_ID=str(i))
+        env["JAXDIST_LOCAL_PROCESSES"] = str(n)  # they share this host's memory (jaxdist.train.memory)
         if shares[i] is not None:
             env["CUDA_VISIBLE_DEVICES"] = shares[i]
         if cpu_devices:
@@ -136,9 +165,12 @@ def launch(cmd: list[str], n: int, *, cpu_devices: int | None = None, port: int 
             env["JAX_PLATFORMS"] = "cpu"
             env["JAXDIST_CPU_COLLECTIVES"] = "gloo"
         try:
-            p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            # a process group of its own: a terminal's Ctrl-C reaches the launcher only, which passes it on once
+            # (twice would be the trainer's "stop at once")
+            p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0)
         except OSError as e:
             _stop(procs)
+            stop.close()
             print(f"jaxdist launch: cannot run {cmd[0]}: {e.strerror or e}", file=sys.stderr)
             return 127 if isinstance(e, FileNotFoundError) else 126
         procs.append(p)
@@ -146,38 +178,78 @@ def launch(cmd: list[str], n: int, *, cpu_devices: int | None = None, port: int 
             relays.append(threading.Thread(target=_relay, args=(stream, i, out, lock), daemon=True))
             relays[-1].start()
     try:
-        code = _watch(procs, lock)
-    except KeyboardInterrupt:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        code = 130
+        code = _watch(procs, lock, stop)
+        if code is None:  # the launcher was asked to stop: so are the workers
+            with lock:
+                print(
+                    f"jaxdist launch: got {signal.Signals(stop.signum).name}; passing it to the workers "
+                    f"(killed if still running in {grace_s:g} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            _stop(procs, grace_s, stop.signum)
+            code = 128 + stop.signum
+    finally:
+        stop.close()
+        _stop(procs)  # nothing outlives the launcher
     for t in relays:  # the last lines of every worker, before the launcher's own verdict
         t.join(timeout=5)
     return code
 
 
-def _watch(procs, lock: threading.Lock) -> int:
-    """Wait for every worker; on the first failure name it, stop the rest, and return its code."""
-    while True:
+class _Signals:
+    """SIGTERM and SIGINT to the launcher, recorded for the watch loop (main thread only); a second one
+    kills the workers `procs` at once."""
+
+    def __init__(self, procs: list):
+        self.signum: int | None = None
+        self.procs = procs
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._record)
+
+    def _record(self, signum, frame) -> None:
+        if self.signum is not None:  # a second one: no more grace
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+        self.signum = signum
+
+    def close(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _watch(procs, lock: threading.Lock, stop: _Signals) -> int | None:
+    """Wait for every worker; on the first failure name it (and a stopped rank it waited for), stop the rest,
+    and return its code; None when the launcher got a stop signal first."""
+    while stop.signum is None:
         codes = [p.poll() for p in procs]
         failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             rank, code = failed[0]
+            stalled = stopped_ranks(procs)
             others = sum(c is None for c in codes)
             with lock:
-                print(
-                    f"jaxdist launch: rank {rank} {_how(code)}; stopping the other {others} running worker(s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                if stalled:
+                    names = ", ".join(f"rank {r} (pid {procs[r].pid})" for r in stalled)
+                    print(
+                        f"jaxdist launch: {names} stopped making progress: its process is stopped (state T, e.g. "
+                        f"SIGSTOP or a debugger); rank {rank} then {_how(code)} waiting for it; stopping the other "
+                        f"{others} running worker(s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                else:
+                    print(
+                        f"jaxdist launch: rank {rank} {_how(code)}; stopping the other {others} running worker(s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             _stop(procs)
             return code if code > 0 else 128 - code
         if all(c == 0 for c in codes):
             return 0
         time.sleep(0.1)
+    return None

@@ -12,6 +12,11 @@ own guard fires, so no rank waits for another to notice.
 The nccl backend has a finer watchdog of its own (jaxdist.comm.watchdog) that
 names the op and the missing rank; this one covers the xla backend and
 anything else a step can hang in (data loading, host callbacks).
+
+`StopDeadline` ends the process `grace_s` after a SIGTERM or SIGINT unless it
+ended by itself: the trainer stops at a step boundary on those signals, which a
+rank stuck in a collective never reaches (its Python handler does not even run
+while the main thread waits in XLA).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import contextlib
 import faulthandler
 import json
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -30,6 +37,8 @@ from jaxdist.comm import watchdog
 
 EXIT_CODE = 3
 TIMEOUT_ENV = "JAXDIST_STEP_TIMEOUT_S"
+STOP_GRACE_ENV = "JAXDIST_STOP_GRACE_S"
+STOP_GRACE_S = 20.0  # less than `jaxdist launch`'s grace, so a stuck worker says why before it is killed
 
 
 class StepWatchdog:
@@ -124,3 +133,54 @@ class StepWatchdog:
 def timeout_from(configured: float) -> float:
     """The step deadline: $JAXDIST_STEP_TIMEOUT_S if set, else the configured one."""
     return float(os.environ.get(TIMEOUT_ENV) or configured)
+
+
+class StopDeadline:
+    """After SIGTERM or SIGINT (which need Python handlers installed: the trainer's), end the process with
+    status 128 + the signal's number `grace_s` later unless it has ended. Install in the main thread.
+
+    Python's C-level handler writes each signal to the wakeup fd at once, also while the main thread is
+    blocked in XLA; a thread reading it arms the deadline."""
+
+    def __init__(self, grace_s: float, *, exit_fn: Callable[[int], object] = os._exit):
+        if grace_s <= 0:
+            raise ValueError(f"${STOP_GRACE_ENV} must be > 0 seconds, got {grace_s}")
+        self.grace_s, self._exit = grace_s, exit_fn
+        self._reader, self._writer = socket.socketpair()
+        self._writer.setblocking(False)  # a signal handler must never block
+        self._previous = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch, name="jaxdist-stop-deadline", daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                got = self._reader.recv(64)
+            except OSError:
+                return
+            stops = [s for s in got if s in (signal.SIGINT, signal.SIGTERM)]
+            if not got or self._closed.is_set():
+                return
+            if stops:
+                break
+        if self._closed.wait(self.grace_s):  # the caller got past its stop: not stuck
+            return
+        name = signal.Signals(stops[0]).name
+        print(
+            f"jaxdist: still running {self.grace_s:g} s after {name} (stuck, e.g. in a collective waiting for "
+            f"another process); ending the process (${STOP_GRACE_ENV} sets the grace period)",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._exit(128 + stops[0])
+
+    def close(self) -> None:
+        """No more signals are watched, and a deadline armed is off (the caller reached its stop)."""
+        self._closed.set()
+        signal.set_wakeup_fd(self._previous)
+        self._writer.close()
+
+
+def stop_grace() -> float:
+    """The grace period after a stop signal: $JAXDIST_STOP_GRACE_S if set, else 20 s."""
+    return float(os.environ.get(STOP_GRACE_ENV) or STOP_GRACE_S)

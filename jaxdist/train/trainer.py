@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.train import hooks, run_dir
+from jaxdist.train import hooks, memory, run_dir
 from jaxdist.train import metrics as metrics_lib
 from jaxdist.train import schedule as schedule_lib
 from jaxdist.train.checkpoint import CheckpointError, Checkpoints, check_same_model, model_record
@@ -34,7 +34,7 @@ from jaxdist.train.decay_mask import adamw, decay_mask
 from jaxdist.train.gpt import FLAVORS, GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for
 from jaxdist.train.launch import initialize_args
 from jaxdist.train.report import info, is_terminal, warn
-from jaxdist.train.step_watchdog import StepWatchdog, timeout_from
+from jaxdist.train.step_watchdog import StepWatchdog, StopDeadline, stop_grace, timeout_from
 
 # Datasheet dense bf16 peak, FLOP/s, by device kind: the MFU denominator of Megatron, torchtitan
 # and MaxText (the H200 has the H100's tensor cores; ~790 TFLOP/s is the best rate measured on it)
@@ -354,6 +354,11 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTCon
         if start >= cfg.run.steps:
             info(f"the run already has its {cfg.run.steps} steps; raise run.steps to train further")
 
+    if cfg.run.steps > start and hasattr(run.step, "compile"):  # (a step wrapped by a caller has none)
+        # compiled now, the executable the loop runs: refused here if it cannot fit
+        compiled = run.step.compile(state, example)
+        memory.check_fits(compiled.memory_analysis(), jax.local_devices()[0], jax.local_device_count())
+
     log = MetricsLog(out_dir, cfg.run.tensorboard, start)
     peak = PEAK_FLOPS.get(jax.local_devices()[0].device_kind) if mcfg.dtype == jnp.bfloat16 else None
     tokens_per_step = cfg.data.batch_size * mcfg.seq_len
@@ -520,9 +525,11 @@ class _StopRequests:
     def __init__(self):
         self.requested = False
         self.previous = {}
+        self.deadline = None
         if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.previous[sig] = signal.signal(sig, self._handle)
+            self.deadline = StopDeadline(stop_grace())  # a rank stuck in a collective never reaches the boundary
 
     def _handle(self, signum, frame):
         if self.requested:
@@ -535,6 +542,8 @@ class _StopRequests:
             raise KeyboardInterrupt
 
     def close(self) -> None:
+        if self.deadline is not None:
+            self.deadline.close()
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
