@@ -462,6 +462,7 @@ class ParallelRun:
         outer = [(path, m) for path, m in nnx.iter_graph(model) if not path or path[0] != name]
         return outer + [((name, *path), m) for path, m in nnx.iter_graph(self._first_layer)]
 
+    @model_sharding_dropped()  # the units' code traced as on one device: the model's own sharding calls are no-ops
     def _resolve_plan(self, model, pure, rest, batch) -> ResolvedPlan:
         """The plan on the model (`TPPlan.resolve`): from one trace of the units on the model as on one
         device (shapes only), the placed layers' equations and the order each unit calls them in."""
