@@ -1,8 +1,9 @@
 """jaxdist's token tie against JAX's `control_deps`: does each order a chain of collectives, and at what cost?
 
-On 8 simulated CPU devices, a `shard_map` body issues N all-gathers each followed by a matmul
-on its result, in the reverse of the parameters' order, ordered one after the other either by a jaxdist token chain (`comm.all_gather`)
-or by `jax.experimental.control_deps.control_dep` between consecutive `lax.all_gather`s. Prints,
+On 8 simulated CPU devices, a `shard_map` body issues N all-gathers, each followed by a matmul
+on its result, in the reverse of the parameters' order, ordered one after the other either by a
+jaxdist token chain (`comm.all_gather`) or by `jax.experimental.control_deps.control_dep` between
+consecutive `lax.all_gather`s. Prints,
 for each variant: whether the compiled schedule keeps the collectives in program order, the
 compiled step's temp memory, and the median step time.
 
@@ -24,7 +25,6 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxdist import comm  # noqa: E402
-
 
 # Each variant gathers the inputs in reverse: an order XLA's scheduler would not pick by itself
 # (it keeps parameter order when nothing says otherwise), so the schedule shows whether it held.
