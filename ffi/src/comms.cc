@@ -38,10 +38,14 @@ void ResetPollCounts() {
 
 const char* OpName(OpKind kind) {
   switch (kind) {
-    case OpKind::kAllReduce: return "all_reduce";
-    case OpKind::kAllGather: return "all_gather";
-    case OpKind::kReduceScatter: return "reduce_scatter";
-    case OpKind::kSendRecv: return "sendrecv";
+    case OpKind::kAllReduce:
+      return "all_reduce";
+    case OpKind::kAllGather:
+      return "all_gather";
+    case OpKind::kReduceScatter:
+      return "reduce_scatter";
+    case OpKind::kSendRecv:
+      return "sendrecv";
   }
   return "unknown";
 }
@@ -206,11 +210,14 @@ static std::string IssueUnrecorded(const NcclApi& nccl, Comm& comm, const OpDesc
       case OpKind::kAllReduce:
         call = nccl.AllReduce(op.send, op.recv, op.count, op.dtype, op.redop, comm.comm, stream);
         break;
-      case OpKind::kAllGather: call = nccl.AllGather(op.send, op.recv, op.count, op.dtype, comm.comm, stream); break;
+      case OpKind::kAllGather:
+        call = nccl.AllGather(op.send, op.recv, op.count, op.dtype, comm.comm, stream);
+        break;
       case OpKind::kReduceScatter:
         call = nccl.ReduceScatter(op.send, op.recv, op.count, op.dtype, op.redop, comm.comm, stream);
         break;
-      case OpKind::kSendRecv: break;
+      case OpKind::kSendRecv:
+        break;
     }
     return Poll(nccl, comm, name, call);
   }
