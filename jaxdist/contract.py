@@ -20,7 +20,7 @@ class Run(Protocol):
 
     Attributes:
       state: the initial train state: parameters in the strategy's storage layout, the optimizer
-        state mirroring them, the step and the model state; ordinary sharded `jax.Array`s.
+        state mirroring them, the step and the model state; ordinary sharded arrays (`jax.Array`).
     """
 
     state: TrainState
