@@ -2,7 +2,7 @@
 // a group, then poll ncclCommGetAsyncError until the communicator leaves
 // ncclInProgress, with a deadline. A handler returns (or records an event)
 // only after that, so with non-blocking communicators no kernel can be
-// missing from the stream when the event is recorded (seed 003).
+// missing from the stream when the event is recorded (docs/design.md).
 #pragma once
 
 #include <atomic>
