@@ -1,6 +1,6 @@
 """A model as its static definition, its parameters, and the rest of its variables (the model state).
 
-Strategies train the `nnx.Param`s. Every other variable (RNG stream keys and
+Strategies train the parameters (`nnx.Param`). Every other variable (RNG stream keys and
 counters, BatchNorm statistics, constants) is the model state: an explicit
 input and output of the traced step, stored in the train state as plain
 arrays (RNG keys as their key data). Nothing is mutated across a trace level,

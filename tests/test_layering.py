@@ -28,6 +28,7 @@ LAYERS = {
     "jaxdist._step": 4,
     "jaxdist.model_state": 4,
     "jaxdist.canonical": 4,
+    "jaxdist.contract": 4,
     "jaxdist.per_leaf": 4,
     "jaxdist.tp_plan": 4,
     "jaxdist._tp_grads": 4,
@@ -92,3 +93,33 @@ def test_imports_go_down_and_skip_other_packages_private_names(module, path):
         # jaxdist's own top-level internals (_native, _pipeline, ...) serve the whole library
         if name and name.startswith("_") and owner != "jaxdist" and owner != package_of(module):
             pytest.fail(f"{module} imports the private name {name} of {target}: expose it")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """jaxdist module -> the jaxdist modules it imports by name (also inside functions)."""
+    graph = {}
+    for module, path in modules():
+        targets = set()
+        for target, name in imports(path):
+            if target.startswith("jaxdist"):
+                targets.add(f"{target}.{name}" if name and _is_module(f"{target}.{name}") else target)
+        graph[module] = targets - {module}
+    return graph
+
+
+def test_no_module_imports_itself_through_others():
+    graph, state, cycles = import_graph(), {}, []
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join([*path[path.index(target) :], target]))
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, f"import cycles: {cycles}"

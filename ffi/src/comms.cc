@@ -38,10 +38,14 @@ void ResetPollCounts() {
 
 const char* OpName(OpKind kind) {
   switch (kind) {
-    case OpKind::kAllReduce: return "all_reduce";
-    case OpKind::kAllGather: return "all_gather";
-    case OpKind::kReduceScatter: return "reduce_scatter";
-    case OpKind::kSendRecv: return "sendrecv";
+    case OpKind::kAllReduce:
+      return "all_reduce";
+    case OpKind::kAllGather:
+      return "all_gather";
+    case OpKind::kReduceScatter:
+      return "reduce_scatter";
+    case OpKind::kSendRecv:
+      return "sendrecv";
   }
   return "unknown";
 }
@@ -84,8 +88,8 @@ std::string Poll(const NcclApi& nccl, Comm& comm, const char* op, ncclResult_t i
   }
   // A blocking communicator has finished its work when the call returns; only
   // a non-blocking one (or an in-progress answer) needs polling. A non-blocking
-  // one is polled even after ncclSuccess: seed 003 is a lone ncclSend that
-  // answered ncclSuccess before its kernel was enqueued.
+  // one is polled even after ncclSuccess: a lone ncclSend can answer
+  // ncclSuccess before its kernel is enqueued (docs/design.md, the third failure).
   if (comm.blocking && issued == ncclSuccess) return "";
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
@@ -184,8 +188,8 @@ std::string Issue(const NcclApi& nccl, Comm& comm, const OpDesc& op, cudaStream_
   std::string err = EnsureReady(nccl, comm, name);
   if (!err.empty()) return err;
   if (!grouped && (op.kind == OpKind::kSendRecv || !comm.blocking)) {
-    // The ungrouped path exists only to measure what the group costs; seed 003 is exactly an
-    // ungrouped point-to-point op on a non-blocking communicator, so it refuses both.
+    // The ungrouped path exists only to measure what the group costs; the corruption this protocol
+    // prevents is exactly an ungrouped point-to-point op on a non-blocking communicator, so it refuses both.
     return "jaxdist nccl: the ungrouped benchmark path takes collectives on blocking communicators only";
   }
   // The flight record: "started" is recorded on the stream before the op, "finished" after it.
@@ -206,11 +210,14 @@ static std::string IssueUnrecorded(const NcclApi& nccl, Comm& comm, const OpDesc
       case OpKind::kAllReduce:
         call = nccl.AllReduce(op.send, op.recv, op.count, op.dtype, op.redop, comm.comm, stream);
         break;
-      case OpKind::kAllGather: call = nccl.AllGather(op.send, op.recv, op.count, op.dtype, comm.comm, stream); break;
+      case OpKind::kAllGather:
+        call = nccl.AllGather(op.send, op.recv, op.count, op.dtype, comm.comm, stream);
+        break;
       case OpKind::kReduceScatter:
         call = nccl.ReduceScatter(op.send, op.recv, op.count, op.dtype, op.redop, comm.comm, stream);
         break;
-      case OpKind::kSendRecv: break;
+      case OpKind::kSendRecv:
+        break;
     }
     return Poll(nccl, comm, name, call);
   }
@@ -231,7 +238,7 @@ static std::string IssueUnrecorded(const NcclApi& nccl, Comm& comm, const OpDesc
       track(nccl.ReduceScatter(op.send, op.recv, op.count, op.dtype, op.redop, comm.comm, stream));
       break;
     case OpKind::kSendRecv:
-      // Even a lone send or recv goes inside the group (seed 003).
+      // Even a lone send or recv goes inside the group (docs/design.md, the third failure).
       if (op.send_peer >= 0) track(nccl.Send(op.send, op.count, op.dtype, op.send_peer, comm.comm, stream));
       if (op.recv_peer >= 0) track(nccl.Recv(op.recv, op.count, op.dtype, op.recv_peer, comm.comm, stream));
       break;

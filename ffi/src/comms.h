@@ -2,7 +2,7 @@
 // a group, then poll ncclCommGetAsyncError until the communicator leaves
 // ncclInProgress, with a deadline. A handler returns (or records an event)
 // only after that, so with non-blocking communicators no kernel can be
-// missing from the stream when the event is recorded (seed 003).
+// missing from the stream when the event is recorded (docs/design.md).
 #pragma once
 
 #include <atomic>
@@ -22,14 +22,14 @@ struct Comm {
   int nranks = 1;
   int device = -1;
   bool blocking = true;
-  bool ready = false;    // non-blocking init finished
+  bool ready = false;                // non-blocking init finished
   std::atomic<bool> aborted{false};  // the watchdog thread may abort it
   // Guards NCCL calls on `comm` against an abort (and NCCL's free) from another
   // thread. One per communicator: the threads of other devices, each polling its
   // own communicator, never wait on it (a poll can include joining NCCL's group thread).
   std::mutex mu;
   std::string axis;
-  std::string failure;   // set once aborted; every later use reports it
+  std::string failure;  // set once aborted; every later use reports it
   FlightRecorder recorder;
 };
 
@@ -67,7 +67,8 @@ int64_t DebugDelayUs();
 std::string Poll(const NcclApi& nccl, Comm& comm, const char* op, ncclResult_t issued);
 
 // The message for a failed call, without polling.
-std::string Describe(const NcclApi& nccl, const Comm& comm, const char* op, ncclResult_t r, const std::string& extra = "");
+std::string Describe(const NcclApi& nccl, const Comm& comm, const char* op, ncclResult_t r,
+                     const std::string& extra = "");
 
 // Aborts `comm` (once) and makes `msg` the failure every later use reports.
 std::string Abort(const NcclApi& nccl, Comm& comm, const std::string& msg);
@@ -79,7 +80,8 @@ struct OpDesc {
   OpKind kind;
   const void* send = nullptr;
   void* recv = nullptr;
-  size_t count = 0;  // elements sent per rank (all_gather/sendrecv) or reduced (all_reduce); per-rank result for reduce_scatter
+  size_t count =
+      0;  // elements sent per rank (all_gather/sendrecv) or reduced (all_reduce); per-rank result for reduce_scatter
   ncclDataType_t dtype = ncclFloat32;
   ncclRedOp_t redop = ncclSum;
   int send_peer = -1;  // sendrecv: rank to send to, or -1

@@ -23,9 +23,12 @@ double UnixSeconds() {
 const char* StateName(const OpRecord& r) {
   if (!r.has_events) return "enqueued (no CUDA events)";
   switch (r.state) {
-    case OpState::kEnqueued: return "enqueued";
-    case OpState::kStarted: return "started";
-    case OpState::kCompleted: return "completed";
+    case OpState::kEnqueued:
+      return "enqueued";
+    case OpState::kStarted:
+      return "started";
+    case OpState::kCompleted:
+      return "completed";
   }
   return "unknown";
 }
@@ -153,17 +156,28 @@ std::string FlightRecorder::OpsJson() {
 
 std::string DtypeName(ncclDataType_t t) {
   switch (t) {
-    case ncclInt8: return "int8";
-    case ncclUint8: return "uint8";
-    case ncclInt32: return "int32";
-    case ncclUint32: return "uint32";
-    case ncclInt64: return "int64";
-    case ncclUint64: return "uint64";
-    case ncclFloat16: return "float16";
-    case ncclFloat32: return "float32";
-    case ncclFloat64: return "float64";
-    case ncclBfloat16: return "bfloat16";
-    default: return "dtype" + std::to_string(static_cast<int>(t));
+    case ncclInt8:
+      return "int8";
+    case ncclUint8:
+      return "uint8";
+    case ncclInt32:
+      return "int32";
+    case ncclUint32:
+      return "uint32";
+    case ncclInt64:
+      return "int64";
+    case ncclUint64:
+      return "uint64";
+    case ncclFloat16:
+      return "float16";
+    case ncclFloat32:
+      return "float32";
+    case ncclFloat64:
+      return "float64";
+    case ncclBfloat16:
+      return "bfloat16";
+    default:
+      return "dtype" + std::to_string(static_cast<int>(t));
   }
 }
 

@@ -35,8 +35,8 @@ struct OpRecord {
   double enqueued_unix = 0;  // wall clock: for people reading the dump
   bool has_events = false;   // false where no CUDA driver is loaded: the state is unknown
   OpState state = OpState::kEnqueued;
-  CUevent started = nullptr;  // recorded on the stream before the op
-  CUevent finished = nullptr; // and after it
+  CUevent started = nullptr;   // recorded on the stream before the op
+  CUevent finished = nullptr;  // and after it
 };
 
 class FlightRecorder {

@@ -32,26 +32,51 @@ ffi::Error Fail(const std::string& msg) { return ffi::Error(ffi::ErrorCode::kInt
 
 bool ToNccl(ffi::DataType t, ncclDataType_t* out) {
   switch (t) {
-    case ffi::DataType::F32: *out = ncclFloat32; return true;
-    case ffi::DataType::BF16: *out = ncclBfloat16; return true;
-    case ffi::DataType::F16: *out = ncclFloat16; return true;
-    case ffi::DataType::F64: *out = ncclFloat64; return true;
-    case ffi::DataType::S8: *out = ncclInt8; return true;
-    case ffi::DataType::U8: *out = ncclUint8; return true;
-    case ffi::DataType::S32: *out = ncclInt32; return true;
-    case ffi::DataType::U32: *out = ncclUint32; return true;
-    case ffi::DataType::S64: *out = ncclInt64; return true;
-    case ffi::DataType::U64: *out = ncclUint64; return true;
-    default: return false;
+    case ffi::DataType::F32:
+      *out = ncclFloat32;
+      return true;
+    case ffi::DataType::BF16:
+      *out = ncclBfloat16;
+      return true;
+    case ffi::DataType::F16:
+      *out = ncclFloat16;
+      return true;
+    case ffi::DataType::F64:
+      *out = ncclFloat64;
+      return true;
+    case ffi::DataType::S8:
+      *out = ncclInt8;
+      return true;
+    case ffi::DataType::U8:
+      *out = ncclUint8;
+      return true;
+    case ffi::DataType::S32:
+      *out = ncclInt32;
+      return true;
+    case ffi::DataType::U32:
+      *out = ncclUint32;
+      return true;
+    case ffi::DataType::S64:
+      *out = ncclInt64;
+      return true;
+    case ffi::DataType::U64:
+      *out = ncclUint64;
+      return true;
+    default:
+      return false;
   }
 }
 
 ncclRedOp_t ToRedOp(int64_t op) {
   switch (op) {
-    case 1: return ncclAvg;
-    case 2: return ncclMax;
-    case 3: return ncclMin;
-    default: return ncclSum;
+    case 1:
+      return ncclAvg;
+    case 2:
+      return ncclMax;
+    case 3:
+      return ncclMin;
+    default:
+      return ncclSum;
   }
 }
 
@@ -255,8 +280,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdist_nccl_wait, WaitImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("op_id"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdist_memcpy, MemcpyImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxdist_memcpy, MemcpyImpl,
+    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());

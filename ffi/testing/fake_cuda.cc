@@ -40,11 +40,23 @@ int fake_cuda_records() { return records; }
 
 // The driver API.
 int cuInit(unsigned) { return kSuccess; }
-int cuDeviceGet(int* dev, int ordinal) { *dev = ordinal; return kSuccess; }
-int cuDevicePrimaryCtxRetain(void** ctx, int) { *ctx = reinterpret_cast<void*>(1); return kSuccess; }
+int cuDeviceGet(int* dev, int ordinal) {
+  *dev = ordinal;
+  return kSuccess;
+}
+int cuDevicePrimaryCtxRetain(void** ctx, int) {
+  *ctx = reinterpret_cast<void*>(1);
+  return kSuccess;
+}
 int cuCtxSetCurrent(void*) { return kSuccess; }
-int cuCtxGetCurrent(void** ctx) { *ctx = reinterpret_cast<void*>(1); return kSuccess; }
-int cuStreamCreate(void** s, unsigned) { *s = reinterpret_cast<void*>(2); return kSuccess; }
+int cuCtxGetCurrent(void** ctx) {
+  *ctx = reinterpret_cast<void*>(1);
+  return kSuccess;
+}
+int cuStreamCreate(void** s, unsigned) {
+  *s = reinterpret_cast<void*>(2);
+  return kSuccess;
+}
 int cuEventCreate(void** e, unsigned) {
   *e = new FakeEvent{0};
   return kSuccess;

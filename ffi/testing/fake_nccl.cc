@@ -112,7 +112,10 @@ void fake_nccl_fail_next(const char* call, int code, const char* message) {
 int fake_nccl_aborts() { return aborts; }
 
 // The NCCL API jaxdist loads.
-ncclResult_t ncclGetVersion(int* v) { *v = 99999; return ncclSuccess; }
+ncclResult_t ncclGetVersion(int* v) {
+  *v = 99999;
+  return ncclSuccess;
+}
 ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
   std::memset(id->internal, 7, NCCL_UNIQUE_ID_BYTES);
   Log("GetUniqueId");
@@ -125,7 +128,10 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId, 
   *comm = reinterpret_cast<ncclComm_t>(new FakeComm{rank, nranks, config->blocking});
   return Answer("CommInitRankConfig", config->blocking ? ncclSuccess : ncclInProgress);
 }
-ncclResult_t ncclCommFinalize(ncclComm_t) { Log("CommFinalize"); return Answer("CommFinalize"); }
+ncclResult_t ncclCommFinalize(ncclComm_t) {
+  Log("CommFinalize");
+  return Answer("CommFinalize");
+}
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   Log("CommDestroy");
   if (auto* c = reinterpret_cast<FakeComm*>(comm); c->has_job) pthread_join(c->job, nullptr);
@@ -170,19 +176,31 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) {
 }
 const char* ncclGetErrorString(ncclResult_t r) {
   switch (r) {
-    case ncclSuccess: return "no error";
-    case ncclUnhandledCudaError: return "unhandled cuda error";
-    case ncclSystemError: return "unhandled system error";
-    case ncclInternalError: return "internal error";
-    case ncclInvalidArgument: return "invalid argument";
-    case ncclInvalidUsage: return "invalid usage";
-    case ncclRemoteError: return "remote process exited or there was a network error";
-    case ncclInProgress: return "NCCL operation in progress";
-    default: return "unknown result code";
+    case ncclSuccess:
+      return "no error";
+    case ncclUnhandledCudaError:
+      return "unhandled cuda error";
+    case ncclSystemError:
+      return "unhandled system error";
+    case ncclInternalError:
+      return "internal error";
+    case ncclInvalidArgument:
+      return "invalid argument";
+    case ncclInvalidUsage:
+      return "invalid usage";
+    case ncclRemoteError:
+      return "remote process exited or there was a network error";
+    case ncclInProgress:
+      return "NCCL operation in progress";
+    default:
+      return "unknown result code";
   }
 }
 const char* ncclGetLastError(ncclComm_t) { return last_error.c_str(); }
-ncclResult_t ncclGroupStart() { Log("GroupStart"); return Answer("GroupStart"); }
+ncclResult_t ncclGroupStart() {
+  Log("GroupStart");
+  return Answer("GroupStart");
+}
 ncclResult_t ncclGroupEnd() {
   Log("GroupEnd");
   ncclResult_t r = Answer("GroupEnd");

@@ -10,7 +10,15 @@ order (`b` most significant), as `lax.axis_index` numbers them, by every op and
 both backends, whatever the mesh's axis order (see `_ranks`).
 """
 
-from jaxdist.comm._backend import Backend, default_backend, get_backend, op_site, set_default_backend
+from jaxdist.comm import xla
+from jaxdist.comm._backend import (
+    Backend,
+    default_backend,
+    get_backend,
+    op_site,
+    register_backend,
+    set_default_backend,
+)
 from jaxdist.comm._ops import (
     all_gather,
     all_gather_start,
@@ -24,6 +32,21 @@ from jaxdist.comm._ops import (
     wait,
 )
 from jaxdist.comm._types import Handle, Token, token
+
+
+def _xla_backend() -> Backend:
+    return xla.XLA_BACKEND
+
+
+def _nccl_backend() -> Backend:
+    # imported on first use: loading the nccl module needs nothing, but it is the GPU-only half
+    from jaxdist.comm.nccl import nccl_backend
+
+    return nccl_backend()
+
+
+register_backend("xla", _xla_backend)
+register_backend("nccl", _nccl_backend)
 
 __all__ = [
     "Backend",

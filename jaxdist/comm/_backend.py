@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -122,12 +123,17 @@ def _check_name(name: str) -> str:
     return name
 
 
+# name -> a function returning that backend; filled in by `jaxdist.comm`, which knows the backends,
+# so this module (which every backend imports) imports none of them
+_FACTORIES: dict[str, Callable[[], Backend]] = {}
+
+
+def register_backend(name: str, factory: Callable[[], Backend]) -> None:
+    """Make `get_backend(name)` return `factory()` (called on each use; the factory caches)."""
+    _check_name(name)
+    _FACTORIES[name] = factory
+
+
 def get_backend(name: str | None) -> Backend:
     name = _check_name(name) if name is not None else default_backend()
-    if name == "xla":
-        from jaxdist.comm.xla import XLA_BACKEND
-
-        return XLA_BACKEND
-    from jaxdist.comm.nccl import nccl_backend
-
-    return nccl_backend()
+    return _FACTORIES[name]()

@@ -5,7 +5,8 @@ Communicators are jaxdist's own, one per mesh axis and local device, created by
 key-value store. Non-blocking communicators (`blocking=False`) return from
 `init` at once and let model setup overlap NCCL's setup; their first use waits.
 
-Environment:
+Environment::
+
   JAXDIST_NCCL_LIBRARY         libnccl.so.2 to load (default: the nvidia.nccl wheel's,
                                the one JAX's CUDA plugin uses)
   JAXDIST_NCCL_TIMEOUT_S       deadline for any NCCL call to leave ncclInProgress, and for every
