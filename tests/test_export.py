@@ -1,5 +1,5 @@
 """`jaxdist export RUN_DIR OUT` writes the parameters as a plain orbax checkpoint that Flax loads
-without jaxdist (the README's snippet, below), and `run.init_from=OUT` starts a run from them."""
+without jaxdist (the docs' loading snippet, below), and `run.init_from=OUT` starts a run from them."""
 
 import jax
 import numpy as np
@@ -17,7 +17,7 @@ from jaxdist.train.trainer import train
 
 
 def readme_load(path, model):
-    """The README's loading snippet: orbax and Flax only."""
+    """The loading snippet of docs/trainer.md: orbax and Flax only."""
     abstract = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     pure = ocp.StandardCheckpointer().restore(path, abstract)
     params = nnx.state(model, nnx.Param)

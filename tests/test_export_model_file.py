@@ -1,5 +1,6 @@
 """`jaxdist export`'s `jaxdist_model.json` names dtypes so `GPTConfig(**record)` builds the model, and the
-README's loading snippet runs as written against a real export (with the relative path it shows)."""
+loading snippet of the trainer's docs page (docs/trainer.md) runs as written against a real export (with the
+relative path it shows)."""
 
 import json
 import re
@@ -19,7 +20,7 @@ from jaxdist.train.cli import main
 from jaxdist.train.gpt import FLAVORS, GPT, GPTConfig
 from jaxdist.train.trainer import train
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "trainer.md"
 RUN = ["model.flavor=tiny", "data.source=synthetic", "data.batch_size=8", "run.steps=1", "run.progress=false"]
 
 
@@ -58,25 +59,28 @@ def test_the_model_file_names_dtypes_and_builds_the_trained_model(exported):
     }
 
 
-def _readme_snippet() -> str:
-    text = README.read_text()
-    section = text[text.index("* Export and import:") :]
+def _loading_snippet() -> str:
+    text = PAGE.read_text()
+    section = text[text.index("## Export and import") :]
     return textwrap.dedent(re.search(r"```python\n(.*?)```", section, re.S).group(1))
 
 
 def _by_path(tree) -> dict:
     """Leaves by their path, list indices and string keys alike ("0"): orbax reads list keys back as strings."""
-    name = lambda path: "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-    return {name(path): np.asarray(v) for path, v in jax.tree_util.tree_leaves_with_path(tree)}
+    return {_name(path): np.asarray(v) for path, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 @pytest.mark.filterwarnings("ignore:Sharding info not provided")
-def test_the_readme_loading_snippet_runs_as_written_against_an_export(exported, monkeypatch):
-    snippet = _readme_snippet()
+def test_the_docs_loading_snippet_runs_as_written_against_an_export(exported, monkeypatch):
+    snippet = _loading_snippet()
     assert 'Path("runs/tiny.params")' in snippet  # the path the export command above it writes, relative
     monkeypatch.chdir(exported)
     scope: dict = {}
-    exec(compile(snippet, "README.md", "exec"), scope)
+    exec(compile(snippet, str(PAGE), "exec"), scope)
     loaded = nnx.to_pure_dict(nnx.state(scope["model"], nnx.Param))
     saved = _saved_params(exported / "runs" / "tiny")
     loaded, saved = _by_path(loaded), _by_path(saved)

@@ -1,5 +1,6 @@
-"""A config file's run directory defaults to runs/<its name>, so the README's commands run one after
-another; a run directory holding another model's checkpoint is refused naming each setting that differs."""
+"""A config file's run directory defaults to runs/<its name>, so the quick start and the data page's
+commands run one after another; a run directory holding another model's checkpoint is refused naming each
+setting that differs."""
 
 import shlex
 import shutil
@@ -39,19 +40,19 @@ def test_out_dir_defaults_to_the_config_files_name(tmp_path):
     assert config_lib.load(None).run.out_dir == "runs/default"
 
 
-def readme_commands(section: str) -> list[list[str]]:
-    """The `jaxdist` commands of the first bash block after the README heading `section`."""
-    body = (REPO / "README.md").read_text().split(f"## {section}\n", 1)[1]
+def docs_commands(page: str) -> list[list[str]]:
+    """The `jaxdist` commands of the first bash block of the documentation page `page`."""
+    body = (REPO / "docs" / page).read_text()
     block = body.split("```bash\n", 1)[1].split("```", 1)[0]
     return [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
 
 
-def test_readme_data_example_runs_after_the_quick_start(tmp_path, monkeypatch, capsys):
+def test_the_data_pages_example_runs_after_the_quick_start(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "books").mkdir()
     shutil.copy(REPO / "jaxdist/train/corpus/river.txt", tmp_path / "books" / "river.txt")
     assert cli.main(["train", str(TINY), *CHEAP]) == 0  # the quick start: runs/tiny, bytes
-    commands = readme_commands("Data, evaluation and sampling")
+    commands = docs_commands("data.md")
     assert [c[:2] for c in commands] == [["jaxdist", "prepare-data"], ["jaxdist", "train"], ["jaxdist", "sample"]]
     for command in commands:
         args = [str(TINY) if a == "jaxdist/train/configs/tiny.toml" else a for a in command[1:]]
