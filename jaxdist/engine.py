@@ -20,8 +20,8 @@ layers bound in place of the matched ones), and reduces each unit's gradients
 while the previous unit runs backward. Both loops are
 `jaxdist._pipeline.pipelined_loop` (unrolled, since each block may have its
 own structure), so a unit's weights exist only as the value returned by the
-wait of this step's gather (seed 000), and the carry bounds the gathered
-units (seed 002). The optimizer then updates the sharded parameter tree
+wait of this step's gather (no read before publication: docs/design.md), and the carry bounds
+the gathered units (no third buffer). The optimizer then updates the sharded parameter tree
 outside the per-device program, where global reductions (clipping) are exact;
 with `update_in_backward` it updates each unit inside it instead, as soon as
 the unit's gradients are reduced (per-leaf optimizers only). FSDP

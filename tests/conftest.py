@@ -53,7 +53,7 @@ def trained_layouts(tmp_path_factory):
 def compilation_cache(tmp_path_factory):
     """One XLA compile per distinct program per test session: most tests train the same tiny models on
     the same meshes, each run through new jit closures, and on CPU the compiles are most of the suite's
-    time. A persistent cache in a fresh directory of this session (nothing carries over between
+    time. A persistent cache in a fresh directory of this test run (nothing carries over between
     sessions), also read by the processes tests start (they inherit the environment). A cached program
     is the executable the compile made: results are the same. CPU only: untried with the GPU tests'
     NCCL custom calls, and the time goes on the CPU runner."""

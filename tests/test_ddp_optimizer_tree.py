@@ -1,5 +1,5 @@
 """Under ZeRO-1 the optimizer sees the model's parameter tree, so optax transformations that read
-shapes, paths or a global norm train exactly as on one device (issue 13, item 4).
+shapes, paths or a global norm train exactly as on one device.
 
 The model is not the GPT: a layer norm and two dense layers whose last bias has 7 elements, which
 neither dp=8 nor dp=4 divides, so it stays replicated (all-reduced) while everything else is sharded

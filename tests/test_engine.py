@@ -277,9 +277,9 @@ def test_state_is_the_models_parameter_tree_sharded_over_the_mesh():
 
 @pytest.mark.parametrize("remat", [None, False], ids=["recompute", "keep-activations"])
 def test_every_block_computes_with_this_steps_published_weights(remat):
-    """Seed 000: a block that read its weights before this step's gather published them would
-    compute with last step's. Per block, the sum of the weights forward used, and of those backward
-    used (ZeRO-3 gathers again: to recompute, or to rebuild the weights' own residuals while keeping
+    """No read before publication (docs/design.md, the first failure): a block that read its weights before this step's
+    gather published them would compute with last step's. Per block, the sum of the weights forward used, and of
+    those backward used (ZeRO-3 gathers again: to recompute, or to rebuild the weights' own residuals while keeping
     the activations), equals this step's state, every step."""
     mesh = cpu_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
     cfg = tp_plan_for(GPT_CFG)
@@ -334,8 +334,9 @@ def test_zero3_gathers_again_for_backward_and_ahead_of_use():
 
 
 def test_deeper_prefetch_needs_a_buffer_more_and_gathers_further_ahead():
-    """Seed 002: the pipelined loop's carry holds `prefetch` in-flight units, so prefetch=2 needs
-    buffers=3 (asking for it with 2 raises) and then gathers blocks 0, 1 and 2 before block 0 runs."""
+    """No third buffer (docs/design.md, the second failure): the pipelined loop's carry holds `prefetch` in-flight
+    units, so prefetch=2 needs buffers=3 (asking for it with 2 raises) and then gathers blocks 0, 1 and 2 before
+    block 0 runs."""
     mesh = cpu_mesh((8,), ("fsdp",))
     with pytest.raises(ValueError, match="raise buffers to 3"):
         Parallel(mesh, prefetch=2)

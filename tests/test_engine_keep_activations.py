@@ -6,7 +6,7 @@ the training math against a single-device optax run (tests/test_engine.py's `ref
 against DDP with dropout; that backward runs no second forward (its matmuls are plain
 autodiff's, counted by hand); that no gathered weights live from forward to backward (temp
 memory per layer is activations, not a unit); that backward computes with this step's weights
-(seed 000); and the dependence analysis itself.
+(no read before publication, docs/design.md); and the dependence analysis itself.
 """
 
 import jax
@@ -164,10 +164,10 @@ def test_no_gathered_weights_live_from_forward_to_backward(compiled):
     assert keep < 0.7 * zero1 and keep < 1.1 * recompute, compiled
 
 
-# -- seed 000 ------------------------------------------------------------------------------------
+# -- no read before publication ---------------------------------------------------------------------------------
 
 
-# seed 000 for both ZeRO-3 modes, forward and backward: tests/test_engine.py
+# no read before publication for both ZeRO-3 modes, forward and backward: tests/test_engine.py
 # test_every_block_computes_with_this_steps_published_weights
 
 

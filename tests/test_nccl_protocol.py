@@ -1,6 +1,6 @@
 """The NCCL call protocol, proven on CPU against a recording test-double libnccl.
 
-Every point-to-point op sits inside its own ncclGroupStart/End (seed 003);
+Every point-to-point op sits inside its own ncclGroupStart/End (docs/design.md, the third failure);
 every call that may answer ncclInProgress is polled until it stops; a state
 stuck in progress hits the deadline, aborts and raises; NCCL errors become
 exceptions carrying NCCL's message.
@@ -47,7 +47,7 @@ def _after_group(log):
 )
 def test_each_op_is_issued_inside_its_own_group_then_polled(runs, op, calls, mode):
     log = runs[f"{op}_{mode}"]["log"]
-    # a non-blocking communicator is polled even after ncclSuccess (seed 003);
+    # a non-blocking communicator is polled even after ncclSuccess (docs/design.md, the third failure);
     # a blocking one has finished when the call returns ncclSuccess
     poll = ["CommGetAsyncError -> Success"] if mode == "nonblocking" else []
     assert log == ["GroupStart", *calls, "GroupEnd", *poll]
@@ -57,7 +57,7 @@ def test_each_op_is_issued_inside_its_own_group_then_polled(runs, op, calls, mod
 def test_each_pipeline_tick_of_a_rank_is_one_group_lone_sends_and_receives_too(runs, mode):
     """A 1F1B table (pp=4, 4 micro-batches) issued tick by tick: every rank that communicates in a
     tick issues its send and its receive in one group; a warm-up tick's lone send and a cool-down
-    tick's lone receive are grouped as well (seed 003)."""
+    tick's lone receive are grouped as well (docs/design.md, the third failure)."""
     ticks = runs[f"pipeline_{mode}"]["ticks"]
     poll = ["CommGetAsyncError -> Success"] if mode == "nonblocking" else []
     kinds = set()
@@ -192,7 +192,7 @@ def test_yield_poll_mode_yields_between_polls(runs):
 
 def test_local_poll_mode_starts_nccls_group_thread_on_the_issuing_cpu(runs):
     # NCCL starts a thread per non-blocking group end; started on an idle core it waits
-    # for that core to wake (issue 15: 70-89 us per op), started here it runs as we yield
+    # for that core to wake (70-89 us per op), started here it runs as we yield
     local, other = runs["group_thread_local"], runs["group_thread_yield"]
     assert local["log"][-2:] == ["GroupEnd", "CommGetAsyncError -> Success"]  # polled until NCCL's thread is done
     assert local["thread_cpus"] == 1

@@ -105,8 +105,8 @@ def test_nccl_handle_carried_through_a_scan_is_refused():
 
 @pytest.mark.parametrize("delay_us", [0, 300], ids=["no-delay", "delay"])
 def test_unit_engine_nccl_uses_this_steps_weights(delay_us):
-    """Seed 000 on the GPU: with a delay before every NCCL op, blocks still compute with the
-    weights this step's data-parallel gather published (never last step's), and match the xla backend."""
+    """No read before publication on the GPU (docs/design.md): with a delay before every NCCL op, blocks still compute
+    with the weights this step's data-parallel gather published (never last step's), and match the xla backend."""
     from jaxdist.comm import nccl
     from jaxdist.engine import Parallel
     from jaxdist.train.gpt import UNITS
