@@ -44,17 +44,17 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def trained_layouts(tmp_path_factory):
     """Each checkpoint layout of tests/layouts.py trained once, shared by the tests that compare layouts."""
-    from layouts import trained_layouts_session
+    from layouts import trained_layouts_once
 
-    yield from trained_layouts_session(tmp_path_factory)
+    yield from trained_layouts_once(tmp_path_factory)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache(tmp_path_factory):
-    """One XLA compile per distinct program per test session: most tests train the same tiny models on
+    """One XLA compile per distinct program per test run: most tests train the same tiny models on
     the same meshes, each run through new jit closures, and on CPU the compiles are most of the suite's
     time. A persistent cache in a fresh directory of this test run (nothing carries over between
-    sessions), also read by the processes tests start (they inherit the environment). A cached program
+    runs), also read by the processes tests start (they inherit the environment). A cached program
     is the executable the compile made: results are the same. CPU only: untried with the GPU tests'
     NCCL custom calls, and the time goes on the CPU runner."""
     if _gpu_count():

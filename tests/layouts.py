@@ -66,9 +66,9 @@ class Trained:
         self.final = self.run.canonical(state).params
 
 
-def trained_layouts_session(tmp_path_factory):
-    """`get(name) -> Trained`, each layout trained once per test session (compiling is the cost);
-    tests/conftest.py makes it the session fixture `trained_layouts`."""
+def trained_layouts_once(tmp_path_factory):
+    """`get(name) -> Trained`, each layout trained once per test run (compiling is the cost);
+    tests/conftest.py makes it the run-wide fixture `trained_layouts`."""
     made = {}
 
     def get(name: str) -> Trained:

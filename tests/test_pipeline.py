@@ -223,7 +223,7 @@ def test_the_trainers_parallel_pp_trains_as_ddp_does(tmp_path):
     from jaxdist.train.trainer import train
 
     # test_train's settings (a 2-step warmup: the learning rate is not near zero in these 3 steps), so the
-    # DDP run is the program of its plotted run, compiled once per session
+    # DDP run is the program of its plotted run, compiled once per test run
     base = [*BASE, "run.steps=3", "run.checkpoint_every=-1"]
     load = lambda name, *extra: config_lib.load(None, [*base, f"run.out_dir={tmp_path / name}", *extra])
     ddp = train(load("ddp"))

@@ -92,7 +92,7 @@ def test_a_rank_stuck_in_a_step_ends_both_processes_naming_the_step(tmp_path):
 
 
 def test_the_trainer_ends_a_run_whose_step_passes_run_step_timeout_s(tmp_path):
-    # the first step compiles the model: far longer than 0.2 s (so not from the session's compilation cache)
+    # the first step compiles the model: far longer than 0.2 s (so not from the test run's compilation cache)
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     overrides = ["model.flavor=tiny", "data.batch_size=16", "run.progress=false", "run.steps=3"]
     cmd = [sys.executable, "-m", "jaxdist.train.cli", "train", *overrides, f"run.out_dir={tmp_path}"]
