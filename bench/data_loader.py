@@ -32,8 +32,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from results import append_result  # noqa: E402
 
-from jaxdist.train.prepare import FORMAT, ShardWriter, token_dtype  # noqa: E402
-from jaxdist.train.shards import Loader, ShardData  # noqa: E402
+from jaxdist.train.data.prepare import FORMAT, ShardWriter, token_dtype  # noqa: E402
+from jaxdist.train.data.shards import Loader, ShardData  # noqa: E402
 
 
 def random_shards(directory: Path, tokens: int, vocab: int, shard_tokens: int) -> None:
@@ -62,8 +62,8 @@ def rate(batches, n: int) -> float:
 def train_loop(args, data, sharding) -> dict:
     from flax import nnx
 
+    from jaxdist.models.gpt import FLAVORS, GPT
     from jaxdist.train import config as config_lib
-    from jaxdist.train.gpt import FLAVORS, GPT
     from jaxdist.train.trainer import make_optimizer, parallelize
 
     mcfg = dataclasses.replace(FLAVORS[args.flavor], seq_len=args.seq_len, vocab_size=args.vocab)

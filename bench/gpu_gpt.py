@@ -28,8 +28,8 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(__file__))
 from results import append_result  # noqa: E402
 
-from jaxdist.ddp import DDP  # noqa: E402
-from jaxdist.train.gpt import FLAVORS, GPT, next_token_loss  # noqa: E402
+from jaxdist.ddp.run import DDP  # noqa: E402
+from jaxdist.models.gpt import FLAVORS, GPT, next_token_loss  # noqa: E402
 from jaxdist.train.trainer import PEAK_FLOPS, flops_per_token  # noqa: E402
 
 

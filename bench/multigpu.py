@@ -23,10 +23,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from results import append_result  # noqa: E402
 
 from jaxdist.comm import nccl  # noqa: E402
-from jaxdist.ddp import DDP  # noqa: E402
-from jaxdist.engine import Parallel  # noqa: E402
-from jaxdist.fsdp import FSDP, Units  # noqa: E402
-from jaxdist.train.gpt import GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for  # noqa: E402
+from jaxdist.ddp.run import DDP  # noqa: E402
+from jaxdist.engine.fsdp import FSDP, Units  # noqa: E402
+from jaxdist.engine.run import Parallel  # noqa: E402
+from jaxdist.models.gpt import GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for  # noqa: E402
 
 CFG = GPTConfig(vocab_size=256, seq_len=128, d_model=256, n_heads=8, n_layers=4)
 

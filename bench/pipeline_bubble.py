@@ -37,9 +37,9 @@ from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.results import append_result  # noqa: E402
-from jaxdist import pipeline_schedule as ps  # noqa: E402
-from jaxdist.engine import Units  # noqa: E402
-from jaxdist.pipeline import Pipelined  # noqa: E402
+from jaxdist.engine.run import Units  # noqa: E402
+from jaxdist.pipeline import schedule as ps  # noqa: E402
+from jaxdist.pipeline.run import Pipelined  # noqa: E402
 
 
 class Block(nnx.Module):

@@ -59,13 +59,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from results import append_result  # noqa: E402
 from xla_auto import AutoShardedRun  # noqa: E402
 
-from jaxdist.buckets import DEFAULT_BUCKET_SIZE  # noqa: E402
 from jaxdist.comm import nccl  # noqa: E402
-from jaxdist.ddp import DDP  # noqa: E402
-from jaxdist.engine import Parallel  # noqa: E402
-from jaxdist.fsdp import FSDP, Units  # noqa: E402
-from jaxdist.pipeline import Pipelined  # noqa: E402
-from jaxdist.train.gpt import FLAVORS, GPT, UNITS, embed_inputs, head_loss, next_token_loss, tp_plan_for  # noqa: E402
+from jaxdist.ddp.buckets import DEFAULT_BUCKET_SIZE  # noqa: E402
+from jaxdist.ddp.run import DDP  # noqa: E402
+from jaxdist.engine.fsdp import FSDP, Units  # noqa: E402
+from jaxdist.engine.run import Parallel  # noqa: E402
+from jaxdist.models.gpt import FLAVORS, GPT, UNITS, embed_inputs, head_loss, next_token_loss, tp_plan_for  # noqa: E402
+from jaxdist.pipeline.run import Pipelined  # noqa: E402
 from jaxdist.train.trainer import flops_per_token  # noqa: E402
 
 DATASHEET_BF16_PEAK = {"H100": 989e12, "H200": 989e12}  # dense, per GPU, by a substring of device_kind
@@ -358,7 +358,7 @@ def _ratio(value: float, reference: float | None) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="350m,1.3b", help="flavors of jaxdist.train.gpt.FLAVORS, comma-separated")
+    ap.add_argument("--models", default="350m,1.3b", help="flavors of jaxdist.models.gpt.FLAVORS, comma-separated")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {','.join(CONFIGS)}")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (median) after 2 warm-up steps")
     ap.add_argument("--per-gpu-batch", type=int, default=8, help="sequences per GPU")

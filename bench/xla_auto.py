@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist._step import PlacedStep, TrainState
+from jaxdist.core.step import PlacedStep, TrainState
 
 
 def _param_spec(shape, axis: str | None, size: int) -> P:

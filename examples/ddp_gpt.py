@@ -14,8 +14,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxdist.ddp import DDP  # noqa: E402
-from jaxdist.train.gpt import GPT, GPTConfig, next_token_loss  # noqa: E402
+from jaxdist.ddp.run import DDP  # noqa: E402
+from jaxdist.models.gpt import GPT, GPTConfig, next_token_loss  # noqa: E402
 
 
 def main() -> None:

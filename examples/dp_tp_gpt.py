@@ -1,6 +1,6 @@
 """Train a GPT with tensor parallelism x data parallelism (8 simulated CPU devices without GPUs).
 
-The GPT's own forward runs on each rank's pieces: its TP plan (jaxdist.train.gpt.TP_PLAN) says
+The GPT's own forward runs on each rank's pieces: its TP plan (jaxdist.models.gpt.TP_PLAN) says
 which layers split how, and the unit engine binds the parallel layers in their place.
 
 python examples/dp_tp_gpt.py            # dp=2 x tp=4, ZeRO-1 over dp
@@ -18,8 +18,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxdist.engine import Parallel  # noqa: E402
-from jaxdist.train.gpt import GPT, UNITS, GPTConfig, tp_plan_for  # noqa: E402
+from jaxdist.engine.run import Parallel  # noqa: E402
+from jaxdist.models.gpt import GPT, UNITS, GPTConfig, tp_plan_for  # noqa: E402
 
 
 def main() -> None:

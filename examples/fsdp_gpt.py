@@ -14,8 +14,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxdist.fsdp import FSDP, Units  # noqa: E402
-from jaxdist.train.gpt import GPT, GPTConfig, embed_inputs, head_loss  # noqa: E402
+from jaxdist.engine.fsdp import FSDP, Units  # noqa: E402
+from jaxdist.models.gpt import GPT, GPTConfig, embed_inputs, head_loss  # noqa: E402
 
 
 def main() -> None:

@@ -19,8 +19,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxdist.pipeline import Pipelined  # noqa: E402
-from jaxdist.train.gpt import GPT, UNITS, GPTConfig, tp_plan_for  # noqa: E402
+from jaxdist.models.gpt import GPT, UNITS, GPTConfig, tp_plan_for  # noqa: E402
+from jaxdist.pipeline.run import Pipelined  # noqa: E402
 
 
 def main() -> None:

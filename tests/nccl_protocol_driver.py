@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from jaxdist import _native
+from jaxdist.comm import native as _native
 from jaxdist.comm.nccl import _POLL_MODES as POLL_MODES
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, SENDRECV = 0, 1, 2, 3
@@ -179,7 +179,7 @@ def pipeline_ticks(key: int, blocking: int) -> dict:
     `comm.sendrecv(x, "pp", perm=tick.perm())` issues it: each rank's peers picked from the perm as
     the FFI handler picks them (the pair whose src is the rank: its send peer; whose dst: its receive
     peer). Returns, per tick and rank, the fake's call log of that rank's op."""
-    from jaxdist.pipeline_schedule import one_f_one_b
+    from jaxdist.pipeline.schedule import one_f_one_b
 
     lib = _native.ffi_library()
     fake = ctypes.CDLL(sys.argv[1])

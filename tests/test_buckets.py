@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist.buckets import bucket_layout, pack, pack_bucket, pack_shard, unpack, unpack_shard
+from jaxdist.ddp.buckets import bucket_layout, pack, pack_bucket, pack_shard, unpack, unpack_shard
 
 N_LAYERS, DIM = 10, 95
 

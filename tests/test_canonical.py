@@ -14,7 +14,7 @@ from layouts import DATA, LAYOUTS, OPTIMIZER, SPLIT, batches, make_model
 from test_ddp import assert_params_close
 from test_engine import reference_run
 
-from jaxdist.train.gpt import next_token_loss
+from jaxdist.models.gpt import next_token_loss
 
 STEPS = 3
 SGD_MOMENTUM = optax.sgd(0.1, momentum=0.9)

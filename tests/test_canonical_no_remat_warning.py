@@ -8,9 +8,9 @@ import pytest
 from flax import nnx
 from meshes import cpu_mesh
 
-from jaxdist.engine import Parallel
-from jaxdist.pipeline import Pipelined
-from jaxdist.train.gpt import GPT, UNITS, GPTConfig, tp_plan_for
+from jaxdist.engine.run import Parallel
+from jaxdist.models.gpt import GPT, UNITS, GPTConfig, tp_plan_for
+from jaxdist.pipeline.run import Pipelined
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
 BATCH = {"tokens": np.zeros((16, 17), np.int32)}

@@ -7,8 +7,8 @@ import optax
 from layouts import PLAN, batches, make_model
 from meshes import cpu_mesh
 
-from jaxdist.pipeline import Pipelined
-from jaxdist.train.gpt import UNITS
+from jaxdist.models.gpt import UNITS
+from jaxdist.pipeline.run import Pipelined
 
 
 def test_pipeline_state_round_trips_through_the_canonical_form():

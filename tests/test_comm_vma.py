@@ -9,9 +9,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from meshes import cpu_mesh
 
-from jaxdist._compat import varying_axes
 from jaxdist.comm import nccl
 from jaxdist.comm.xla import XLA_BACKEND
+from jaxdist.core.compat import varying_axes
 
 OPS = {
     "all_reduce": {"op": "sum"},

@@ -13,10 +13,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.train import config as config_lib
 from jaxdist.train.config import ConfigError
-from jaxdist.train.data import CORPUS
-from jaxdist.train.prepare import ShardWriter, prepare, token_dtype
-from jaxdist.train.shards import Loader, ShardData, TokenShards, device_rows
-from jaxdist.train.tokenize import END_OF_TEXT
+from jaxdist.train.data.prepare import ShardWriter, prepare, token_dtype
+from jaxdist.train.data.shards import Loader, ShardData, TokenShards, device_rows
+from jaxdist.train.data.sources import CORPUS
+from jaxdist.train.data.tokenize import END_OF_TEXT
 from jaxdist.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def test_trained_bpe_round_trips_the_text_and_is_reproducible(tmp_path):
     assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
     for f in a.iterdir():
         assert f.read_bytes() == (b / f.name).read_bytes(), f.name
-    from jaxdist.train.shards import load_tokenizer
+    from jaxdist.train.data.shards import load_tokenizer
 
     tok = load_tokenizer(a)
     index = json.loads((a / "index.json").read_text())

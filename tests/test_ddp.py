@@ -22,8 +22,8 @@ from flax import nnx
 from hlo_schedule import entry_schedule, positions
 from meshes import cpu_mesh
 
-from jaxdist.ddp import DDP
-from jaxdist.train.gpt import GPT, GPTConfig, next_token_loss
+from jaxdist.ddp.run import DDP
+from jaxdist.models.gpt import GPT, GPTConfig, next_token_loss
 
 LR = 1e-3
 STEPS = 5
@@ -275,8 +275,8 @@ def test_accumulation_with_sgd_matches_one_big_batch(mesh, zero1, average_in_col
 
 def test_other_strategies_have_no_accumulation_option():
     """Only DDP accumulates; FSDP and the unit engine refuse the option instead of ignoring it."""
-    from jaxdist.engine import Parallel
-    from jaxdist.fsdp import FSDP
+    from jaxdist.engine.fsdp import FSDP
+    from jaxdist.engine.run import Parallel
 
     with pytest.raises(TypeError, match="accumulation_steps"):
         FSDP(cpu_mesh((8,), ("fsdp",)), accumulation_steps=2)

@@ -22,7 +22,7 @@ from meshes import cpu_mesh
 from test_ddp import LOSS_RTOL, assert_params_close, reference_run
 from test_engine import reference
 
-from jaxdist.ddp import DDP
+from jaxdist.ddp.run import DDP
 
 STEPS = 3
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxdist.models.gpt import FLAVORS, GPT
 from jaxdist.train import config as config_lib
 from jaxdist.train.config import ConfigError
 from jaxdist.train.decay_mask import path_name
-from jaxdist.train.gpt import FLAVORS, GPT
 from jaxdist.train.trainer import make_optimizer
 
 

@@ -62,7 +62,7 @@ def test_an_export_that_finds_the_disk_full_says_so_and_leaves_nothing(tmp_path,
 
 
 def test_preparing_data_on_a_full_disk_says_so_and_leaves_nothing(tmp_path, monkeypatch):
-    from jaxdist.train import prepare
+    from jaxdist.train.data import prepare
 
     def disk_full(self, ids):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -20,9 +20,9 @@ from hlo_schedule import entry_schedule, positions
 from meshes import cpu_mesh
 from test_ddp import LOSS_RTOL, assert_params_close
 
-from jaxdist import tp_plan
-from jaxdist.engine import Parallel, Units
-from jaxdist.train.gpt import GPT, UNITS, GPTConfig, next_token_loss, tp_plan_for
+from jaxdist.engine.run import Parallel, Units
+from jaxdist.models.gpt import GPT, UNITS, GPTConfig, next_token_loss, tp_plan_for
+from jaxdist.tp import plan as tp_plan
 
 STEPS = 5
 GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
@@ -382,7 +382,7 @@ def test_vocab_parallel_logits_are_read_only_by_the_vocab_parallel_loss():
     for head_loss in (optax_head_loss, z_loss_head):
         units = dataclasses.replace(UNITS, head_loss=head_loss)
         model = GPT(GPT_CFG, nnx.Rngs(0))
-        with pytest.raises(ValueError, match="only jaxdist.tp_plan.cross_entropy"):
+        with pytest.raises(ValueError, match="only jaxdist.tp.plan.cross_entropy"):
             Parallel(mesh, plan=tp_plan_for(GPT_CFG)).prepare(model, adamw(), units, gpt_batches(1)[0])
 
 

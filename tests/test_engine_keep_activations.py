@@ -1,7 +1,7 @@
 """ZeRO-3 keeping activations (`Parallel(remat=False)` over an fsdp axis), as PyTorch FSDP does.
 
 The forward keeps its vjp's residuals except those computed from the gathered weights alone
-(`jaxdist._residuals`); backward rebuilds those from the weights it gathers again. Checked here:
+(`jaxdist.engine.residuals`); backward rebuilds those from the weights it gathers again. Checked here:
 the training math against a single-device optax run (tests/test_engine.py's `reference`) and
 against DDP with dropout; that backward runs no second forward (its matmuls are plain
 autodiff's, counted by hand); that no gathered weights live from forward to backward (temp
@@ -31,10 +31,10 @@ from test_engine import (
     reference,
 )
 
-from jaxdist import _residuals
-from jaxdist.engine import Parallel
-from jaxdist.fsdp import FSDP
-from jaxdist.train.gpt import GPT, UNITS, next_token_loss, tp_plan_for
+from jaxdist.engine import residuals as _residuals
+from jaxdist.engine.fsdp import FSDP
+from jaxdist.engine.run import Parallel
+from jaxdist.models.gpt import GPT, UNITS, next_token_loss, tp_plan_for
 
 HSDP_TP = ((2, 2, 2), ("dp", "fsdp", "tp"))
 FSDP8 = ((8,), ("fsdp",))
@@ -101,7 +101,7 @@ def test_dropout_and_batchnorm_train_as_under_ddp():
     from test_strategy_models import UNITS as NET_UNITS
     from test_strategy_models import Net, data, net_loss, run_steps
 
-    from jaxdist.ddp import DDP
+    from jaxdist.ddp.run import DDP
 
     make = lambda: Net([0.5, 2.0, -1.0], nnx.Rngs(0, dropout=3), input_dropout=0.2, dropout=0.3, batchnorm=True)
     batches = data(2, batch_size=64)
@@ -232,7 +232,7 @@ def test_rebuilt_residuals_equal_the_forwards_and_run_none_of_its_ops_on_activat
 
 
 def test_remat_options_and_where_keeping_activations_is_refused():
-    from jaxdist.pipeline import Pipelined
+    from jaxdist.pipeline.run import Pipelined
 
     mesh = cpu_mesh((8,), ("fsdp",))
     assert Parallel(mesh).backward_residuals == "recompute"

@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 from meshes import cpu_mesh
 
-from jaxdist import tp_plan
-from jaxdist.engine import Parallel, Units
+from jaxdist.engine.run import Parallel, Units
+from jaxdist.tp import plan as tp_plan
 
 B, S, D_IN, D, D_OUT = 8, 4, 3, 16, 4
 

@@ -21,8 +21,8 @@ from meshes import cpu_mesh
 from test_ddp import LOSS_RTOL, assert_params_close
 from test_engine import engine_run, reference
 
-from jaxdist import tp_plan
-from jaxdist.engine import Parallel, Units
+from jaxdist.engine.run import Parallel, Units
+from jaxdist.tp import plan as tp_plan
 
 D_IN, D, HEADS, D_OUT, SEQ, BATCH = 5, 16, 4, 6, 8, 8
 

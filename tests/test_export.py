@@ -9,10 +9,10 @@ from flax import nnx
 from layouts import GPT_CFG, LAYOUTS, OPTIMIZER, batches, make_model
 from test_train import BASE
 
+from jaxdist.models.gpt import GPT
 from jaxdist.train import config as config_lib
 from jaxdist.train.checkpoint import CheckpointError, Checkpoints
 from jaxdist.train.cli import main
-from jaxdist.train.gpt import GPT
 from jaxdist.train.trainer import train
 
 

@@ -14,10 +14,10 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
+from jaxdist.models.gpt import FLAVORS, GPT, GPTConfig
 from jaxdist.train import config as config_lib
 from jaxdist.train.checkpoint import check_same_model
 from jaxdist.train.cli import main
-from jaxdist.train.gpt import FLAVORS, GPT, GPTConfig
 from jaxdist.train.trainer import train
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "trainer.md"

@@ -18,9 +18,9 @@ from hlo_schedule import entry_schedule, positions
 from meshes import cpu_mesh
 from test_ddp import LOSS_RTOL, assert_params_close, reference_run
 
-from jaxdist.ddp import DDP
-from jaxdist.fsdp import FSDP, Units
-from jaxdist.train.gpt import GPT, GPTConfig, embed_inputs, head_loss, next_token_loss
+from jaxdist.ddp.run import DDP
+from jaxdist.engine.fsdp import FSDP, Units
+from jaxdist.models.gpt import GPT, GPTConfig, embed_inputs, head_loss, next_token_loss
 
 UNITS = Units(embed_inputs, head_loss)
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=5)

@@ -1,9 +1,10 @@
-"""The package reads top-down: comm -> schedule cores -> unit/state shell -> strategies -> train.
+"""The package reads bottom-up: core.compat, comm, core, layer math and schedule cores, strategies, models, train.
 
-A module may import only from its own layer or the layers below it, and never a
-private (underscore) name of another subpackage (`jaxdist.comm._backend` from
-outside `jaxdist.comm`) or module: what is shared is exposed. The library's own
-top-level internals (`jaxdist._native`, `jaxdist._pipeline`, ...) serve every layer above them.
+Each folder of `jaxdist/` is one subpackage (comm, core, ddp, engine, tp, pipeline, models,
+train); inside one, modules have their own layer (the tp plan sits above the tp layer math). A
+module may import only from its own layer or the layers below it, and never a private
+(underscore) module or name of another subpackage (`jaxdist.comm._backend` from outside
+`jaxdist.comm`): what is shared is exposed.
 """
 
 import ast
@@ -15,29 +16,24 @@ ROOT = Path(__file__).resolve().parents[1] / "jaxdist"
 
 # lower number = lower layer; a module imports only modules of its layer or below
 LAYERS = {
-    "jaxdist": 7,  # the package's __init__ imports what it exposes
-    "jaxdist._native": 0,
-    "jaxdist._compat": 0,
+    "jaxdist": 9,  # the package's __init__ imports what it exposes
     "jaxdist._xla_flags": 0,
+    "jaxdist._moved": 0,
+    "jaxdist.core.compat": 0,  # shims over JAX internals, below everything
     "jaxdist.comm": 1,
-    "jaxdist.buckets": 2,
-    "jaxdist.tp": 2,
-    "jaxdist._pipeline": 3,
-    "jaxdist._interleave": 3,
-    "jaxdist.pipeline_schedule": 3,
-    "jaxdist._step": 4,
-    "jaxdist.model_state": 4,
-    "jaxdist.canonical": 4,
-    "jaxdist.contract": 4,
-    "jaxdist.per_leaf": 4,
-    "jaxdist.tp_plan": 4,
-    "jaxdist._tp_grads": 4,
-    "jaxdist._residuals": 4,
+    "jaxdist.core": 2,
+    "jaxdist.ddp.buckets": 2,
+    "jaxdist.tp.layers": 2,
+    "jaxdist.ddp.interleave": 3,
+    "jaxdist.engine.prefetch": 3,
+    "jaxdist.pipeline.schedule": 3,
+    "jaxdist.tp": 4,
+    "jaxdist.engine.residuals": 4,
     "jaxdist.ddp": 5,
-    "jaxdist.fsdp": 5,
     "jaxdist.engine": 5,
-    "jaxdist.pipeline": 5,
-    "jaxdist.train": 6,
+    "jaxdist.pipeline": 6,
+    "jaxdist.models": 7,
+    "jaxdist.train": 8,
 }
 
 
@@ -72,8 +68,11 @@ def imports(path: Path):
 
 
 def package_of(module: str) -> str:
+    """The subpackage (folder) a module belongs to; `jaxdist` for the package's own top level."""
     parts = module.split(".")
-    return ".".join(parts[:2]) if len(parts) > 2 or module in ("jaxdist.comm", "jaxdist.train") else "jaxdist"
+    if len(parts) >= 2 and (ROOT / parts[1] / "__init__.py").is_file():
+        return ".".join(parts[:2])
+    return "jaxdist"
 
 
 @pytest.mark.parametrize(("module", "path"), list(modules()), ids=[m for m, _ in modules()])
@@ -86,13 +85,21 @@ def test_imports_go_down_and_skip_other_packages_private_names(module, path):
         full = f"{target}.{name}" if name and _is_module(f"{target}.{name}") else target
         their = layer_of(full)
         assert their is not None and their <= own, f"{module} (layer {own}) imports {full} (layer {their})"
-        if package_of(module) != package_of(target):
-            private = [p for p in target.split(".")[1:] if p.startswith("_")] if target.count(".") > 1 else []
-            assert not private, f"{module} imports {target}, private to {package_of(target)}: expose what it needs"
-        owner = package_of(f"{target}.{name}")
-        # jaxdist's own top-level internals (_native, _pipeline, ...) serve the whole library
-        if name and name.startswith("_") and owner != "jaxdist" and owner != package_of(module):
+        if package_of(module) == package_of(full):
+            continue
+        inner = full.split(".")[2:] if package_of(full) != "jaxdist" else full.split(".")[1:]
+        assert not any(p.startswith("_") for p in inner), f"{module} imports {full}, private to {package_of(full)}"
+        if name and name.startswith("_") and full == target:
             pytest.fail(f"{module} imports the private name {name} of {target}: expose it")
+
+
+def test_every_folder_is_a_subpackage_with_a_layer():
+    folders = [p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))]
+    for folder in folders:
+        if not list((ROOT / folder).glob("*.py")):
+            continue  # data folders (configs, corpus)
+        assert (ROOT / folder / "__init__.py").is_file(), f"jaxdist/{folder} has no __init__.py"
+        assert layer_of(f"jaxdist.{folder}") is not None, f"jaxdist.{folder} has no layer here"
 
 
 def import_graph() -> dict[str, set[str]]:

@@ -20,11 +20,11 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from meshes import cpu_mesh
 
-from jaxdist import tp_plan
-from jaxdist.ddp import DDP
-from jaxdist.engine import Parallel, Units
-from jaxdist.fsdp import FSDP
-from jaxdist.pipeline import Pipelined
+from jaxdist.ddp.run import DDP
+from jaxdist.engine.fsdp import FSDP
+from jaxdist.engine.run import Parallel, Units
+from jaxdist.pipeline.run import Pipelined
+from jaxdist.tp import plan as tp_plan
 
 STEPS = 2
 INIT = nnx.initializers.normal(0.3)

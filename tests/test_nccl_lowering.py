@@ -3,7 +3,7 @@
 The nccl backend lowers an async op to a pair of XLA custom calls, `jaxdist_nccl_start` and
 `jaxdist_nccl_wait`. A start whose wait is missing leaves NCCL writing on a side stream into a
 buffer XLA may already have given to something else: silent corruption on a GPU that no CPU run
-can see (the bug fixed in jaxdist/ddp.py's `_BucketSchedule.drain`). So each strategy's train step
+can see (the bug fixed in jaxdist/ddp/run.py's `_BucketSchedule.drain`). So each strategy's train step
 is traced with `backend="nccl"` and lowered for CUDA, which needs no GPU (tracing reads only a
 communicator's key, patched here), and its custom calls are read: as many waits as starts, at
 least one start (every strategy here overlaps communication, so the check cannot pass vacuously),
@@ -30,11 +30,11 @@ from test_ddp import MLP, WithUnusedLayers
 from test_ddp import mlp_loss as ddp_mlp_loss
 from test_engine import GPT_CFG, MLP_PLAN, MLP_UNITS, ResMLP, gpt_batches, mlp_batches, mlp_loss
 
-from jaxdist.ddp import DDP
-from jaxdist.engine import Parallel
-from jaxdist.fsdp import FSDP
-from jaxdist.pipeline import Pipelined
-from jaxdist.train.gpt import GPT, UNITS, tp_plan_for
+from jaxdist.ddp.run import DDP
+from jaxdist.engine.fsdp import FSDP
+from jaxdist.engine.run import Parallel
+from jaxdist.models.gpt import GPT, UNITS, tp_plan_for
+from jaxdist.pipeline.run import Pipelined
 
 # -- models and strategies (tiny: only traced and lowered) -------------------------------------
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxdist import _native
+from jaxdist.comm import native as _native
 
 FAKE = _native.find_library(_native.FAKE_NCCL_LIBRARY)
 pytestmark = pytest.mark.skipif(FAKE is None, reason="the compiled FFI library is not built")
@@ -128,7 +128,7 @@ def test_destroy_finalizes_then_destroys(runs):
 
 def test_nccl_is_loaded_from_the_path_in_the_env_var():
     code = (
-        "from jaxdist.comm import nccl; import jaxdist._native as n; print(nccl.nccl_library_path()); "
+        "from jaxdist.comm import nccl; import jaxdist.comm.native as n; print(nccl.nccl_library_path()); "
         "n.call('jaxdist_nccl_load', str(nccl.nccl_library_path()).encode()); "
         "print(n.ffi_library().jaxdist_nccl_version())"
     )
@@ -211,7 +211,7 @@ def test_a_poll_held_inside_nccl_does_not_hold_up_another_devices_communicator(r
 
 def test_an_ffi_library_older_than_the_python_side_gives_a_clear_error():
     # a library that lacks entry points (here: the fake libnccl, which has none) says to rebuild
-    code = "import jaxdist._native as n; n.ffi_library()"
+    code = "import jaxdist.comm.native as n; n.ffi_library()"
     env = {**os.environ, "JAXDIST_FFI_LIBRARY": str(FAKE)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode != 0

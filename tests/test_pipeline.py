@@ -24,9 +24,9 @@ from meshes import cpu_mesh
 from test_ddp import LOSS_RTOL, assert_params_close
 from test_engine import MLP_UNITS, ResMLP, adamw, gpt_batches, mlp_batches, mlp_loss, path_optimizer, reference
 
-from jaxdist import pipeline_schedule as ps
-from jaxdist.pipeline import Pipelined
-from jaxdist.train.gpt import GPT, UNITS, GPTConfig, next_token_loss, tp_plan_for
+from jaxdist.models.gpt import GPT, UNITS, GPTConfig, next_token_loss, tp_plan_for
+from jaxdist.pipeline import schedule as ps
+from jaxdist.pipeline.run import Pipelined
 
 STEPS = 5
 GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
@@ -176,7 +176,7 @@ def test_bad_options_raise_clear_errors_before_tracing():
         units = dataclasses.replace(MLP_UNITS, has_aux=True)
         Pipelined(mesh).prepare(ResMLP(nnx.Rngs(0), layers=2), optax.sgd(0.1), units, batch)
     with pytest.raises(ValueError, match="a pipeline axis: jaxdist.pipeline.Pipelined"):
-        from jaxdist.engine import Parallel
+        from jaxdist.engine.run import Parallel
 
         Parallel(mesh)
 

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from jaxdist import pipeline_schedule as ps
+from jaxdist.pipeline import schedule as ps
 
 # Hand-checked: rank 0 warms up with pp - 1 = 1 forward, then alternates; rank 1 (the last
 # stage) alternates from the start; a B waits for the later stage's B one tick earlier.

@@ -1,6 +1,8 @@
 """The package's public face: `from jaxdist import ...` gives the strategies, and every strategy's
 `prepare` returns a run that meets the written contract (`jaxdist.Run`)."""
 
+import importlib
+
 import jax
 import numpy as np
 import optax
@@ -10,7 +12,7 @@ from meshes import cpu_mesh
 
 import jaxdist
 from jaxdist import DDP, FSDP, Parallel, Pipelined, Run, TPPlan, TrainState, Units, comm
-from jaxdist import tp_plan as plans
+from jaxdist.tp import plan as plans
 
 
 class Block(nnx.Module):
@@ -55,9 +57,28 @@ def test_the_public_names_are_the_strategies_and_the_contract():
     assert {"DDP", "FSDP", "Parallel", "Pipelined", "Units", "TPPlan", "Run", "TrainState", "comm"} <= set(
         jaxdist.__all__
     )
-    assert DDP.__module__ == "jaxdist.ddp" and Parallel.__module__ == "jaxdist.engine"
+    assert importlib.import_module("jaxdist.ddp").DDP is DDP
+    assert importlib.import_module("jaxdist.engine").Parallel is Parallel
+    assert jaxdist.ddp.DDP is DDP and jaxdist.engine.Parallel is Parallel and jaxdist.engine.FSDP is FSDP
     with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
         jaxdist.NoSuchThing  # noqa: B018
+
+
+@pytest.mark.parametrize("package", ["core", "ddp", "engine", "tp", "pipeline", "models", "train.data"])
+def test_each_subpackage_lists_its_public_names(package):
+    module = importlib.import_module(f"jaxdist.{package}")
+    assert module.__doc__ and module.__all__
+    for name in module.__all__:
+        assert getattr(module, name) is not None
+
+
+@pytest.mark.parametrize(
+    ("old", "new"), [("jaxdist.tp_plan", "jaxdist.tp.plan"), ("jaxdist.train.gpt", "jaxdist.models.gpt")]
+)
+def test_an_old_module_path_names_its_new_one(old, new):
+    with pytest.raises(ModuleNotFoundError, match=f"^{old} moved to {new}: import it from there$"):
+        importlib.import_module(old)
+    assert importlib.import_module(new)
 
 
 @pytest.mark.parametrize(

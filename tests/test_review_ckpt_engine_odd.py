@@ -14,8 +14,8 @@ from meshes import cpu_mesh
 from test_engine import reference_run
 from test_review_ckpt_mlp import run_steps
 
-from jaxdist.ddp import DDP
-from jaxdist.engine import Parallel, Units
+from jaxdist.ddp.run import DDP
+from jaxdist.engine.run import Parallel, Units
 from jaxdist.train.checkpoint import Checkpoints
 
 SPLIT, STEPS = 2, 4

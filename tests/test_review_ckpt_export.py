@@ -9,11 +9,11 @@ from flax import nnx
 from meshes import cpu_mesh
 from test_export import readme_load
 
-from jaxdist.ddp import DDP
+from jaxdist.ddp.run import DDP
+from jaxdist.models.gpt import GPT, GPTConfig, next_token_loss
 from jaxdist.train.checkpoint import Checkpoints
 from jaxdist.train.cli import main
 from jaxdist.train.export import load_params
-from jaxdist.train.gpt import GPT, GPTConfig, next_token_loss
 
 ELEVEN = GPTConfig(vocab_size=32, seq_len=8, d_model=8, n_heads=2, n_layers=11)
 

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 from meshes import cpu_mesh
 
-from jaxdist.ddp import DDP
+from jaxdist.ddp.run import DDP
 from jaxdist.train.checkpoint import Checkpoints
 
 SPLIT, STEPS, BATCH = 2, 4, 48

@@ -5,7 +5,7 @@ checkpoint restores onto another layout without a silently reordered statistic.
 
 Adafactor with `min_dim_size_to_factor=8` factors the tiny GPT's matrices: its `v_row`/`v_col`
 statistics have the parameter's shape with one dimension removed. Under dp x tp the fused q/k/v
-columns are stored in another order (`jaxdist.tp_plan.to_storage`): the column statistic of the
+columns are stored in another order (`jaxdist.tp.plan.to_storage`): the column statistic of the
 q/k/v kernel must be put back in the model's order too.
 
 Tolerances: tests/test_canonical.py's (float32 rounding of means of per-device means only).
@@ -21,7 +21,7 @@ from test_canonical import trained
 from test_ddp import assert_params_close
 from test_engine import reference_run
 
-from jaxdist.train.gpt import next_token_loss
+from jaxdist.models.gpt import next_token_loss
 
 ADAFACTOR = optax.adafactor(1e-2, min_dim_size_to_factor=8)
 STEPS = 2

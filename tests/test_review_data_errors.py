@@ -5,8 +5,8 @@ import pytest
 from jaxdist.train import config as config_lib
 from jaxdist.train.cli import main
 from jaxdist.train.config import ConfigError
-from jaxdist.train.data import CORPUS
-from jaxdist.train.prepare import prepare
+from jaxdist.train.data.prepare import prepare
+from jaxdist.train.data.sources import CORPUS
 from jaxdist.train.trainer import train
 
 BASE = ["model.flavor=tiny", "data.batch_size=8", "run.progress=false", "run.steps=1", "data.source=shards"]
@@ -47,7 +47,7 @@ def test_a_text_run_with_no_validation_text_names_the_config_key(tmp_path):
 
 
 def test_text_prepared_on_the_fly_is_reused_after_the_text_file_moves(tmp_path, monkeypatch):
-    from jaxdist.train import prepare as prepare_lib
+    from jaxdist.train.data import prepare as prepare_lib
 
     text = tmp_path / "a.txt"
     text.write_bytes(CORPUS.read_bytes())
@@ -80,7 +80,7 @@ def test_a_text_runs_bad_preparation_settings_are_named_as_config_keys(tmp_path,
 def test_a_data_directory_without_a_validation_split_is_a_one_line_error(tmp_path):
     import json
 
-    from jaxdist.train.shards import ShardData
+    from jaxdist.train.data.shards import ShardData
 
     prepare([CORPUS], tmp_path / "d", progress=False)
     index = json.loads((tmp_path / "d" / "index.json").read_text())
@@ -102,8 +102,8 @@ def test_a_damaged_index_stops_training_on_one_line_naming_it(tmp_path):
 
 @pytest.mark.parametrize("damage", ["{cut", "[]"])
 def test_text_prepared_on_the_fly_with_a_damaged_index_is_prepared_again(tmp_path, damage):
-    from jaxdist.train.prepare import ensure_prepared
-    from jaxdist.train.shards import read_index
+    from jaxdist.train.data.prepare import ensure_prepared
+    from jaxdist.train.data.shards import read_index
 
     ensure_prepared([CORPUS], tmp_path / "data", tokenizer="bytes", val_fraction=0.1, progress=False)
     (tmp_path / "data" / "index.json").write_text(damage)

@@ -10,11 +10,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.train.data import CORPUS
+from jaxdist.models.gpt import GPT, GPTConfig
+from jaxdist.train.data.prepare import prepare
+from jaxdist.train.data.shards import Loader, ShardData
+from jaxdist.train.data.sources import CORPUS
 from jaxdist.train.evaluate import Evaluator
-from jaxdist.train.gpt import GPT, GPTConfig
-from jaxdist.train.prepare import prepare
-from jaxdist.train.shards import Loader, ShardData
 
 CFG = GPTConfig(vocab_size=256, seq_len=64, d_model=32, n_heads=4, n_layers=1)
 

@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
-from jaxdist.train.data import CORPUS
+from jaxdist.train.data.prepare import prepare
+from jaxdist.train.data.shards import ShardData
+from jaxdist.train.data.sources import CORPUS
 from jaxdist.train.hooks import check_same_data
-from jaxdist.train.prepare import prepare
-from jaxdist.train.shards import ShardData
 
 
 def _data(directory):

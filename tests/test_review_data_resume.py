@@ -10,10 +10,10 @@ import pytest
 
 from jaxdist.train import config as config_lib
 from jaxdist.train import hooks
-from jaxdist.train.data import CORPUS
-from jaxdist.train.prepare import prepare
+from jaxdist.train.data.prepare import prepare
+from jaxdist.train.data.shards import ShardData
+from jaxdist.train.data.sources import CORPUS
 from jaxdist.train.sample import load_run
-from jaxdist.train.shards import ShardData
 from jaxdist.train.trainer import train
 
 BASE = ["model.flavor=tiny", "model.n_layers=1", "run.progress=false", "run.steps=3", "data.source=shards"]

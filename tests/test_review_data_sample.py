@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxdist.models.gpt import GPT, GPTConfig
 from jaxdist.train import sample
-from jaxdist.train.gpt import GPT, GPTConfig
 from jaxdist.train.sample import Generator, sample_text
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
@@ -138,10 +138,10 @@ def test_a_sample_prompt_the_run_cannot_use_is_refused_before_training(tmp_path)
 
 
 def test_a_text_run_moved_whole_samples_with_the_tokenizer_prepared_inside_it(tmp_path):
-    from jaxdist.train.data import CORPUS
-    from jaxdist.train.prepare import prepare
+    from jaxdist.train.data.prepare import prepare
+    from jaxdist.train.data.shards import content_id
+    from jaxdist.train.data.sources import CORPUS
     from jaxdist.train.sample import load_run
-    from jaxdist.train.shards import content_id
 
     run = tmp_path / "moved-run"  # data.source=text prepared the text into <run.out_dir>/data, then it moved
     prepare([CORPUS], run / "data", train_bpe=300, progress=False)

@@ -14,9 +14,9 @@ from flax import nnx
 from meshes import cpu_mesh
 from test_review_models_engine import ODD_UNITS, OddMLP, assert_same_training, odd_batches, odd_loss, reference, train
 
-from jaxdist.ddp import DDP
-from jaxdist.engine import Parallel, Units
-from jaxdist.pipeline import Pipelined
+from jaxdist.ddp.run import DDP
+from jaxdist.engine.run import Parallel, Units
+from jaxdist.pipeline.run import Pipelined
 
 SCALE = 1e-5  # gradient norms ~2e-4
 LR = 500.0  # so the parameters move as at an ordinary scale

@@ -13,8 +13,8 @@ from flax import nnx
 from meshes import cpu_mesh
 from test_review_models_engine import reference, train
 
-from jaxdist.engine import Parallel, Units
-from jaxdist.pipeline import Pipelined
+from jaxdist.engine.run import Parallel, Units
+from jaxdist.pipeline.run import Pipelined
 
 SEEN = []  # (kernel dtype, activation dtype) each block saw when traced
 

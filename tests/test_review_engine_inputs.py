@@ -9,11 +9,11 @@ from flax import nnx
 from meshes import cpu_mesh
 from test_review_models_engine import ODD_UNITS, OddMLP, odd_batches, odd_loss
 
-from jaxdist import tp_plan
-from jaxdist.ddp import DDP
-from jaxdist.engine import Parallel, Units
-from jaxdist.fsdp import FSDP
-from jaxdist.pipeline import Pipelined
+from jaxdist.ddp.run import DDP
+from jaxdist.engine.fsdp import FSDP
+from jaxdist.engine.run import Parallel, Units
+from jaxdist.pipeline.run import Pipelined
+from jaxdist.tp import plan as tp_plan
 
 BATCH = odd_batches(1)[0]
 

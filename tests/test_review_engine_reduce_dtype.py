@@ -17,8 +17,8 @@ from flax import nnx
 from meshes import cpu_mesh
 from test_review_models_engine import ODD_UNITS, OddMLP, odd_batches, odd_loss
 
-from jaxdist.ddp import DDP
-from jaxdist.pipeline import Pipelined
+from jaxdist.ddp.run import DDP
+from jaxdist.pipeline.run import Pipelined
 
 DP, MICRO = 2, 8
 

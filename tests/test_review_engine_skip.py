@@ -12,10 +12,10 @@ from meshes import cpu_mesh
 from test_review_models_engine import ODD_UNITS, OddMLP, odd_batches
 from test_strategy_models import UNITS, Net, data, net_loss
 
-from jaxdist import tp_plan
-from jaxdist.ddp import DDP
-from jaxdist.engine import Parallel
-from jaxdist.pipeline import Pipelined
+from jaxdist.ddp.run import DDP
+from jaxdist.engine.run import Parallel
+from jaxdist.pipeline.run import Pipelined
+from jaxdist.tp import plan as tp_plan
 
 
 def with_batchnorm():

@@ -13,9 +13,9 @@ from flax import nnx
 from meshes import cpu_mesh
 from test_review_models_engine import ODD_UNITS, OddMLP, assert_same_training, odd_batches, odd_loss, reference, train
 
-from jaxdist.ddp import DDP
-from jaxdist.engine import Parallel
-from jaxdist.pipeline import Pipelined
+from jaxdist.ddp.run import DDP
+from jaxdist.engine.run import Parallel
+from jaxdist.pipeline.run import Pipelined
 
 SMALL, LARGE = odd_batches(1, rows=16)[0], odd_batches(1, rows=32, seed=9)[0]
 

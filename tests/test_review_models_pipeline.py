@@ -26,7 +26,7 @@ from test_review_models_engine import (
     train,
 )
 
-from jaxdist.pipeline import Pipelined
+from jaxdist.pipeline.run import Pipelined
 
 STEPS = 3
 

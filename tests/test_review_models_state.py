@@ -13,8 +13,8 @@ from flax import nnx
 from meshes import cpu_mesh
 from test_review_models_engine import assert_same_training, odd_batches, train
 
-from jaxdist.ddp import DDP
-from jaxdist.engine import Parallel, Units
+from jaxdist.ddp.run import DDP
+from jaxdist.engine.run import Parallel, Units
 
 
 class Tracked(nnx.Module):

@@ -11,8 +11,8 @@ from meshes import cpu_mesh
 from test_ddp import LOSS_RTOL, assert_params_close
 from test_engine import MLP_UNITS, ResMLP, engine_run, mlp_batches, mlp_loss, reference
 
-from jaxdist import _residuals
-from jaxdist.engine import Parallel
+from jaxdist.engine import residuals as _residuals
+from jaxdist.engine.run import Parallel
 
 
 @jax.jit

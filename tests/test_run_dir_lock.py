@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxdist.models.gpt import GPT, GPTConfig
 from jaxdist.train import config as config_lib
 from jaxdist.train.checkpoint import Checkpoints, model_record
 from jaxdist.train.cli import main
 from jaxdist.train.config import ConfigError
-from jaxdist.train.gpt import GPT, GPTConfig
 from jaxdist.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]

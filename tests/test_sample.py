@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxdist.models.gpt import GPT, GPTConfig
 from jaxdist.train import config as config_lib
-from jaxdist.train.gpt import GPT, GPTConfig
 from jaxdist.train.sample import Generator, load_run
 from jaxdist.train.trainer import train
 

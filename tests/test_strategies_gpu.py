@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, Mesh
 
-from jaxdist.ddp import DDP
-from jaxdist.fsdp import FSDP, Units
-from jaxdist.train.gpt import GPT, GPTConfig, embed_inputs, head_loss
+from jaxdist.ddp.run import DDP
+from jaxdist.engine.fsdp import FSDP, Units
+from jaxdist.models.gpt import GPT, GPTConfig, embed_inputs, head_loss
 from tests.test_ddp import LOSS_RTOL, assert_params_close, make_case
 
 pytestmark = pytest.mark.gpu
@@ -108,8 +108,8 @@ def test_unit_engine_nccl_uses_this_steps_weights(delay_us):
     """No read before publication on the GPU (docs/design.md): with a delay before every NCCL op, blocks still compute
     with the weights this step's data-parallel gather published (never last step's), and match the xla backend."""
     from jaxdist.comm import nccl
-    from jaxdist.engine import Parallel
-    from jaxdist.train.gpt import UNITS
+    from jaxdist.engine.run import Parallel
+    from jaxdist.models.gpt import UNITS
 
     mesh = Mesh(np.asarray(jax.devices("gpu")[:1]).reshape(1, 1), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
     nccl.init(mesh)
@@ -142,8 +142,8 @@ def test_tensor_parallel_gpt_keeps_bf16_and_cudnn_attention():
     """Under TP the GPT's own forward runs: bf16 matmuls and cuDNN flash attention, as on one GPU."""
     import jax.numpy as jnp
 
-    from jaxdist.engine import Parallel
-    from jaxdist.train.gpt import UNITS, tp_plan_for
+    from jaxdist.engine.run import Parallel
+    from jaxdist.models.gpt import UNITS, tp_plan_for
 
     mesh = Mesh(np.asarray(jax.devices("gpu")[:2]).reshape(1, 2), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
     cfg = GPTConfig(

@@ -14,11 +14,11 @@ from flax import nnx
 from jax.sharding import AxisType
 from meshes import cpu_mesh
 
-from jaxdist.ddp import DDP
-from jaxdist.engine import Parallel
-from jaxdist.fsdp import FSDP
-from jaxdist.pipeline import Pipelined
-from jaxdist.train.gpt import GPT, UNITS, GPTConfig, next_token_loss, tp_plan_for
+from jaxdist.ddp.run import DDP
+from jaxdist.engine.fsdp import FSDP
+from jaxdist.engine.run import Parallel
+from jaxdist.models.gpt import GPT, UNITS, GPTConfig, next_token_loss, tp_plan_for
+from jaxdist.pipeline.run import Pipelined
 
 STEPS = 2
 CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)

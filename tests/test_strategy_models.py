@@ -14,9 +14,9 @@ from flax import nnx
 from meshes import cpu_mesh
 from test_ddp import LOSS_RTOL, assert_params_close, reference_run
 
-from jaxdist.ddp import DDP
-from jaxdist.engine import Parallel
-from jaxdist.fsdp import FSDP, Units
+from jaxdist.ddp.run import DDP
+from jaxdist.engine.fsdp import FSDP, Units
+from jaxdist.engine.run import Parallel
 from jaxdist.train.checkpoint import Checkpoints
 
 IN, DIM, OUT, RANKS = 8, 16, 4, 8
@@ -132,7 +132,7 @@ def test_the_unit_engine_draws_the_masks_and_statistics_of_ddp(shape, names):
     """Dropout in the embed and every block, BatchNorm in every block: the unit engine folds the
     same data rank and step into each RNG stream as DDP and averages the running statistics the
     same way, so both train identically (under TP every tp rank of a data rank draws the same mask)."""
-    from jaxdist import tp_plan
+    from jaxdist.tp import plan as tp_plan
 
     make = lambda: Net([0.5, 2.0, -1.0], nnx.Rngs(0), input_dropout=0.2, dropout=0.3, batchnorm=True)
     batches = data(3, batch_size=64)

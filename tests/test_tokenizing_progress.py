@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jaxdist.train import prepare
+from jaxdist.train.data import prepare
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from meshes import cpu_mesh
 
-from jaxdist import tp
+from jaxdist.tp import layers as tp
 
 
 def test_vocab_parallel_loss_equals_full_logits_loss():

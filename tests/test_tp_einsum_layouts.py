@@ -19,8 +19,8 @@ import pytest
 from flax import nnx
 from meshes import cpu_mesh
 
-from jaxdist import tp_plan
-from jaxdist.engine import Parallel, Units
+from jaxdist.engine.run import Parallel, Units
+from jaxdist.tp import plan as tp_plan
 
 D, HEADS, KV_HEADS, HEAD_DIM, FF, VOCAB, SEQ, BATCH = 16, 8, 4, 4, 32, 32, 8, 8
 STEPS = 3

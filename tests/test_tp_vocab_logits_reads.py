@@ -11,11 +11,11 @@ import pytest
 from flax import nnx
 from meshes import cpu_mesh
 
-from jaxdist import tp_plan
-from jaxdist.engine import Parallel
-from jaxdist.train.gpt import GPT, UNITS, GPTConfig, tp_plan_for
+from jaxdist.engine.run import Parallel
+from jaxdist.models.gpt import GPT, UNITS, GPTConfig, tp_plan_for
+from jaxdist.tp import plan as tp_plan
 
-MISUSE = "only jaxdist.tp_plan.cross_entropy"
+MISUSE = "only jaxdist.tp.plan.cross_entropy"
 LABELS = jnp.zeros((2, 3), jnp.int32)
 
 READS = {

@@ -11,8 +11,8 @@ import pytest
 
 from jaxdist.train import config as config_lib
 from jaxdist.train.config import ConfigError
-from jaxdist.train.prepare import prepare
-from jaxdist.train.shards import TokenShards
+from jaxdist.train.data.prepare import prepare
+from jaxdist.train.data.shards import TokenShards
 from jaxdist.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,8 +131,8 @@ def test_parallel_remat_selects_how_backward_gets_the_activations(overrides, rem
     import jax
     from flax import nnx
 
+    from jaxdist.models.gpt import GPT
     from jaxdist.train import trainer
-    from jaxdist.train.gpt import GPT
 
     c = config_lib.load(None, [*BASE, "model.n_layers=1", *overrides])
     config_lib.validate(c)
@@ -149,8 +149,8 @@ def test_parallel_remat_true_under_plain_ddp_is_refused_not_ignored():
     import jax
     from flax import nnx
 
+    from jaxdist.models.gpt import GPT
     from jaxdist.train import trainer
-    from jaxdist.train.gpt import GPT
 
     c = config_lib.load(None, [*BASE, "model.n_layers=1", "parallel.remat=true"])
     config_lib.validate(c)
@@ -175,8 +175,8 @@ def _prepared(overrides):
     import jax
     from flax import nnx
 
+    from jaxdist.models.gpt import GPT
     from jaxdist.train import trainer
-    from jaxdist.train.gpt import GPT
 
     c = config_lib.load(None, [*BASE, "model.n_layers=1", *overrides])
     config_lib.validate(c)

@@ -6,7 +6,7 @@ import pytest
 
 from jaxdist.train import cli
 from jaxdist.train.checkpoint import Checkpoints
-from jaxdist.train.shards import Loader
+from jaxdist.train.data.shards import Loader
 
 VOCAB = 64
 BASE = [

@@ -15,10 +15,10 @@ import pytest
 from flax import nnx
 from meshes import cpu_mesh
 
-from jaxdist import tp_plan
-from jaxdist.engine import Parallel, Units
-from jaxdist.fsdp import FSDP
-from jaxdist.pipeline import Pipelined
+from jaxdist.engine.fsdp import FSDP
+from jaxdist.engine.run import Parallel, Units
+from jaxdist.pipeline.run import Pipelined
+from jaxdist.tp import plan as tp_plan
 
 STEPS = 2
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxdist import _native
+from jaxdist.comm import native as _native
 from jaxdist.comm import watchdog
 
 FAKE = _native.find_library(_native.FAKE_NCCL_LIBRARY)

@@ -22,7 +22,7 @@ import os
 import sys
 import time
 
-from jaxdist import _native
+from jaxdist.comm import native as _native
 from jaxdist.comm import nccl
 
 ALL_REDUCE, ALL_GATHER = 0, 1

@@ -8,8 +8,8 @@ import jax
 import numpy as np
 from jax import lax
 
-from jaxdist._compat import manual_axes
 from jaxdist.comm._types import Handle, Token
+from jaxdist.core.compat import manual_axes
 
 AxisName = str | tuple[str, ...]
 

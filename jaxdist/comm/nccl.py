@@ -31,14 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxdist import _native
-from jaxdist._compat import varying_axes
+from jaxdist.comm import native as _native
 from jaxdist.comm import watchdog
 from jaxdist.comm._backend import Backend, current_site, floating_and_int_dtypes
 from jaxdist.comm._checks import as_axis_names
 from jaxdist.comm._ffi_call import ffi_call
 from jaxdist.comm._sequence import sequence
 from jaxdist.comm.watchdog import NcclTimeoutError, check, flight_record, set_recorder  # noqa: F401  (public API)
+from jaxdist.core.compat import varying_axes
 
 NCCL_LIBRARY_ENV = "JAXDIST_NCCL_LIBRARY"
 TIMEOUT_ENV = "JAXDIST_NCCL_TIMEOUT_S"

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 
-from jaxdist import _native
+from jaxdist.comm import native as _native
 
 WATCHDOG_ENV = "JAXDIST_NCCL_WATCHDOG"
 RECORDER_ENV = "JAXDIST_FLIGHT_RECORDER"

@@ -1,6 +1,6 @@
 """Checkpoints with orbax: the canonical train state, sharded, written in the background.
 
-Each checkpoint holds the run's canonical state (`jaxdist.canonical`: the
+Each checkpoint holds the run's canonical state (`jaxdist.core.canonical`: the
 parameters by parameter path, the optimizer state of a single-device optax
 run, the step, the model's other variables) and metadata (model config,
 layout, schedule, data). Orbax writes every array from the devices that hold

@@ -110,7 +110,7 @@ def _export(args) -> int:
 
 
 def _prepare_data(args) -> int:
-    from jaxdist.train.prepare import prepare
+    from jaxdist.train.data.prepare import prepare
 
     try:
         index = prepare(

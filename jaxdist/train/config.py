@@ -88,7 +88,7 @@ COUNT = at_least(1)  # sizes and counts: at least one
 
 @dataclasses.dataclass
 class ModelConfig:
-    flavor: str = _key("tiny", "a key of jaxdist.train.gpt.FLAVORS; the keys below override it when set")
+    flavor: str = _key("tiny", "a key of jaxdist.models.gpt.FLAVORS; the keys below override it when set")
     n_layers: int | None = _key(None, "transformer blocks", COUNT)
     d_model: int | None = _key(None, "width", COUNT)
     n_heads: int | None = _key(None, "attention heads (must divide d_model)", COUNT)

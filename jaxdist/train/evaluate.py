@@ -21,8 +21,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.train.gpt import GPT, next_token_loss
-from jaxdist.train.shards import Loader, ShardData
+from jaxdist.models.gpt import GPT, next_token_loss
+from jaxdist.train.data.shards import Loader, ShardData
 
 
 class Evaluator:

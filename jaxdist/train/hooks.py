@@ -1,6 +1,6 @@
 """What the trainer calls for data, evaluation and sampling, so its loop stays about training.
 
-`source` builds the configured data, `Loader` reads it (jaxdist.train.shards),
+`source` builds the configured data, `Loader` reads it (jaxdist.train.data.shards),
 `evaluator` gives the validation loss when `run.eval_every` asks for it,
 `check_same_data` warns when a resumed run's data changed, `samples_before` says
 where a resumed run's data stream continues, and `print_sample` ends a run with
@@ -15,12 +15,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxdist.train import data as data_lib
+from jaxdist.models.gpt import GPT, GPTConfig
 from jaxdist.train.config import ConfigError, TrainConfig
+from jaxdist.train.data import sources as data_lib
+from jaxdist.train.data.shards import Loader, ShardData, data_changes, load_tokenizer
 from jaxdist.train.evaluate import Evaluator
-from jaxdist.train.gpt import GPT, GPTConfig
 from jaxdist.train.report import warn
-from jaxdist.train.shards import Loader, ShardData, data_changes, load_tokenizer
 
 __all__ = ["Loader", "source", "evaluator", "check_same_data", "samples_before", "check_sample_prompt", "print_sample"]
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxdist.train.gpt import GPT, GPTConfig
+from jaxdist.models.gpt import GPT, GPTConfig
 
 
 def _prefill(graphdef, state, tokens, length):
@@ -121,9 +121,9 @@ def load_run(run_dir: str | Path, data_dir: str | Path | None = None):
     """(model with the newest checkpoint's parameters, tokenizer or None, step) of a training run; the
     tokenizer is that of `data_dir`, by default the data directory the checkpoint was trained on."""
     from jaxdist.train.checkpoint import CheckpointError
+    from jaxdist.train.data.prepare import INDEX
+    from jaxdist.train.data.shards import content_id, load_tokenizer
     from jaxdist.train.export import read_params
-    from jaxdist.train.prepare import INDEX
-    from jaxdist.train.shards import content_id, load_tokenizer
 
     run_dir = Path(run_dir)
     if not (run_dir / "checkpoints").is_dir():

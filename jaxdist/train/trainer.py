@@ -25,13 +25,13 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxdist.models.gpt import FLAVORS, GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for
 from jaxdist.train import hooks, memory, run_dir
 from jaxdist.train import metrics as metrics_lib
 from jaxdist.train import schedule as schedule_lib
 from jaxdist.train.checkpoint import CheckpointError, Checkpoints, check_same_model, model_record
 from jaxdist.train.config import ConfigError, TrainConfig, validate
 from jaxdist.train.decay_mask import adamw, decay_mask
-from jaxdist.train.gpt import FLAVORS, GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for
 from jaxdist.train.launch import initialize_args
 from jaxdist.train.report import info, is_terminal, warn
 from jaxdist.train.step_watchdog import StepWatchdog, StopDeadline, stop_grace, timeout_from
@@ -124,9 +124,9 @@ def make_optimizer(cfg: TrainConfig, decay_steps: int | None = None) -> optax.Gr
 
 def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
     """The strategy the `parallel` section asks for, prepared on `model`."""
-    from jaxdist.ddp import DDP
-    from jaxdist.engine import Parallel
-    from jaxdist.fsdp import FSDP, Units
+    from jaxdist.ddp.run import DDP
+    from jaxdist.engine.fsdp import FSDP, Units
+    from jaxdist.engine.run import Parallel
 
     p, o = cfg.parallel, cfg.optim
     clip = o.max_grad_norm if o.max_grad_norm > 0 else None
@@ -205,7 +205,7 @@ def _remat_option(value: bool | str) -> bool | None:
 
 def _pipelined(cfg: TrainConfig, mesh, model: GPT, optimizer, batch, clip):
     """The pipeline over `pp` (the unit engine's storage and TP plan on the other axes)."""
-    from jaxdist.pipeline import Pipelined
+    from jaxdist.pipeline.run import Pipelined
 
     p = cfg.parallel
     for key, off in (("update_in_backward", False), ("sequence_parallel", False)):
@@ -396,7 +396,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTCon
     summary = _Summary()
     window_start, window_tokens = time.perf_counter(), 0
     guard = StepWatchdog(timeout_from(cfg.run.step_timeout_s), out_dir, process_index=jax.process_index())
-    # the data's state is the step (see jaxdist.train.shards) and the samples read before it: a resume with
+    # the data's state is the step (see jaxdist.train.data.shards) and the samples read before it: a resume with
     # another data.batch_size continues the stream at the next sample, skipping and repeating none
     first_sample = hooks.samples_before(meta, start, cfg.data.batch_size)
     batches = loader.batches(start, offset=first_sample - start * cfg.data.batch_size)

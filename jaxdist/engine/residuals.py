@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 
-from jaxdist._tp_grads import sub_jaxprs
+from jaxdist.tp.grads import sub_jaxprs
 
 W, X = 1, 2  # a value reads the weights / the activations
 

@@ -12,20 +12,20 @@ model's parameter tree, so any optax transformation is exact), sharded:
   ZeRO-3 (sharded over `fsdp`, gathered before forward and again before
   backward, which recomputes each block's forward or, with `remat=False`,
   keeps its activations and rebuilds only the residuals of its weights alone:
-  `jaxdist._residuals`). HSDP is ZeRO-3 over `fsdp` with replicas over `dp`.
+  `jaxdist.engine.residuals`). HSDP is ZeRO-3 over `fsdp` with replicas over `dp`.
 
 A step gathers each unit's pieces over the storage axis one unit ahead of its
 use, runs the unit's own code (the model's modules, with the plan's parallel
 layers bound in place of the matched ones), and reduces each unit's gradients
 while the previous unit runs backward. Both loops are
-`jaxdist._pipeline.pipelined_loop` (unrolled, since each block may have its
+`jaxdist.engine.prefetch.pipelined_loop` (unrolled, since each block may have its
 own structure), so a unit's weights exist only as the value returned by the
 wait of this step's gather (no read before publication: docs/design.md), and the carry bounds
 the gathered units (no third buffer). The optimizer then updates the sharded parameter tree
 outside the per-device program, where global reductions (clipping) are exact;
 with `update_in_backward` it updates each unit inside it instead, as soon as
 the unit's gradients are reduced (per-leaf optimizers only). FSDP
-(`jaxdist.fsdp`) is this engine with ZeRO-3 storage and no tp.
+(`jaxdist.engine.fsdp`) is this engine with ZeRO-3 storage and no tp.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
-from jaxdist import tp as tp_math
-from jaxdist._compat import model_sharding_dropped
-from jaxdist._pipeline import AsyncOp, check_buffers, kept, pipelined_loop
-from jaxdist._residuals import rebuild, weight_only, weight_only_values
-from jaxdist._step import (
+from jaxdist.core.canonical import canonical_avals, check_canonical, mirror_map, with_shardings
+from jaxdist.core.compat import model_sharding_dropped
+from jaxdist.core.model_state import ModelState, keep_if, split_params, training_copy
+from jaxdist.core.per_leaf import check_per_leaf, owners
+from jaxdist.core.step import (
     PlacedStep,
     TrainState,
     local_batch_avals,
@@ -57,11 +57,11 @@ from jaxdist._step import (
     optimizer_step,
     own_mesh,
 )
-from jaxdist._tp_grads import tp_summed
-from jaxdist.canonical import canonical_avals, check_canonical, mirror_map, with_shardings
-from jaxdist.model_state import ModelState, keep_if, split_params, training_copy
-from jaxdist.per_leaf import check_per_leaf, owners
-from jaxdist.tp_plan import Binding, CallLog, ResolvedPlan, TPPlan, bind, from_storage, to_storage
+from jaxdist.engine.prefetch import AsyncOp, check_buffers, kept, pipelined_loop
+from jaxdist.engine.residuals import rebuild, weight_only, weight_only_values
+from jaxdist.tp import layers as tp_math
+from jaxdist.tp.grads import tp_summed
+from jaxdist.tp.plan import Binding, CallLog, ResolvedPlan, TPPlan, bind, from_storage, to_storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,7 +416,7 @@ class ParallelRun:
 
     def _split_model_state(self, rest, units: Units) -> None:
         """The non-parameter variables (RNG streams, batch statistics, constants): the outer model's,
-        and each block's own, as `jaxdist.model_state.ModelState`s stored in the train state."""
+        and each block's own, as `jaxdist.core.model_state.ModelState`s stored in the train state."""
         in_model = rest.get(units.blocks, nnx.State({}))
         outer_rest = nnx.State({k: v for k, v in rest.items() if k != units.blocks})
         self.outer_state = ModelState(outer_rest)
@@ -608,7 +608,7 @@ class ParallelRun:
 
         return jax.jit(full, out_shardings=self._sharding(P()))
 
-    # -- the canonical state (jaxdist.canonical) ---------------------------------------
+    # -- the canonical state (jaxdist.core.canonical) ---------------------------------------
     # The parameters are already the model's tree, sharded like the canonical form; only grouped
     # column layers are stored in another order along their tp dimension (`to_storage`).
 
@@ -763,7 +763,7 @@ class ParallelRun:
     @model_sharding_dropped()  # the units' code on one rank's shapes: the model's own sharding annotations are no-ops
     def _decide_tp_sums(self, x_aval) -> dict:
         """Per unit ("embed", "head", block i), the replicated parameters whose gradient is summed over
-        tp: those acting on values that differ per tp rank (`jaxdist._tp_grads`, from JAX's types)."""
+        tp: those acting on values that differ per tp rank (`jaxdist.tp.grads`, from JAX's types)."""
         cfg, units, state = self.cfg, self.units, self.initial_model_state
         shape = list(x_aval.shape)
         if cfg.sequence_parallel:
@@ -1200,7 +1200,7 @@ class ParallelRun:
         """update_in_backward: the leaves `gs` names (layer `layer` of stacked ones) updated from the
         step's values, into `acc` = (parameter leaves, optimizer state leaves). The optimizer runs on
         the whole tree with zero gradients elsewhere, results XLA drops: exact for the per-leaf
-        transformations `prepare` admits (`jaxdist.per_leaf`); shared state (a count) is the same
+        transformations `prepare` admits (`jaxdist.core.per_leaf`); shared state (a count) is the same
         from every unit."""
         new_p, new_s = list(acc[0]), list(acc[1])
         sliced = lambda k: layer is not None and k in gs
@@ -1244,7 +1244,7 @@ class ParallelRun:
         return tree.unflatten(out), tok
 
     def _weight_only(self, i: int, fn, w, x, side) -> tuple[bool, ...]:
-        """Which residuals of block i's vjp are functions of its weights alone (`jaxdist._residuals`),
+        """Which residuals of block i's vjp are functions of its weights alone (`jaxdist.engine.residuals`),
         traced once per block definition and shapes (blocks of one definition run one program)."""
         avals = tuple((a.shape, a.dtype) for a in jax.tree.leaves((w, x, side)))
         key = (self.block_kinds[i], len(w), jax.tree.structure((x, side)), avals)

@@ -23,8 +23,8 @@ import grain
 import jax
 import numpy as np
 
-from jaxdist.train import prepare as prepare_lib
-from jaxdist.train import tokenize
+from jaxdist.train.data import prepare as prepare_lib
+from jaxdist.train.data import tokenize
 
 
 def read_index(directory: str | Path) -> dict:

@@ -14,7 +14,7 @@ Plain DDP keeps parameters and optimizer state replicated and all-reduces the
 gradients bucket by bucket. With `zero1=True` each parameter is sharded over
 the axis along the first dimension the axis size divides (its optimizer
 state likewise; 1/dp per device), a bucket's buffer is rank-major (segment r
-holds chunk r of each of its parameters, `jaxdist.buckets`), so the
+holds chunk r of each of its parameters, `jaxdist.ddp.buckets`), so the
 gradients' reduce-scatter leaves each rank its chunk of every parameter, and
 the next step's forward all-gathers the parameters bucket by bucket, each
 gather in flight while the previous bucket's layers compute. Parameters no
@@ -22,7 +22,7 @@ dimension of which the axis size divides (an odd-sized bias) stay replicated
 and are all-reduced, in buckets of their own.
 
 The overlap is data flow, not hooks: the step is traced to a jaxpr and
-evaluated equation by equation (`jaxdist._interleave`). A bucket's reduction
+evaluated equation by equation (`jaxdist.ddp.interleave`). A bucket's reduction
 starts right after the equation that finishes its last gradient and is waited
 one bucket later; a parameter is read only as the output of the `wait` that
 finished its bucket's gather. Everything is ordered on one token chain, so the
@@ -45,9 +45,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
-from jaxdist._compat import model_sharding_dropped
-from jaxdist._interleave import LAZY, Schedule, eval_interleaved, first_use_order
-from jaxdist._step import (
+from jaxdist.core.canonical import canonical_avals, check_canonical, mirror_map, resharding, with_shardings
+from jaxdist.core.compat import model_sharding_dropped
+from jaxdist.core.model_state import ModelState, keep_if, split_for_training
+from jaxdist.core.step import (
     PlacedStep,
     TrainState,
     local_batch_avals,
@@ -56,7 +57,7 @@ from jaxdist._step import (
     optimizer_step,
     own_mesh,
 )
-from jaxdist.buckets import (
+from jaxdist.ddp.buckets import (
     DEFAULT_BUCKET_SIZE,
     BucketLayout,
     bucket_layout,
@@ -65,8 +66,7 @@ from jaxdist.buckets import (
     unpack_bucket,
     unpack_shard,
 )
-from jaxdist.canonical import canonical_avals, check_canonical, mirror_map, resharding, with_shardings
-from jaxdist.model_state import ModelState, keep_if, split_for_training
+from jaxdist.ddp.interleave import LAZY, Schedule, eval_interleaved, first_use_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ class DDP:
         first dimension the axis divides): reduce-scatter gradients, update
         the sharded tree, all-gather parameters in the next forward.
       bucket_size / bucket_bytes / first_bucket_size / pad_for_nccl / shared:
-        the bucket layout, see `jaxdist.buckets.bucket_layout`.
+        the bucket layout, see `jaxdist.ddp.buckets.bucket_layout`.
       average_in_collective: True reduces with "mean"; False scales the
         gradients by 1/dp first and reduces with "sum" (Megatron's two choices).
       reduce_dtype: dtype the gradients are reduced in (e.g. float32 for
@@ -152,7 +152,7 @@ class DDP:
           model: a Flax NNX module; its `nnx.Param`s are trained. The step runs
             it in train mode; its other variables (dropout RNG streams, batch
             statistics) are the train state's `model_state`: see
-            `jaxdist.model_state` for how they advance per rank and step.
+            `jaxdist.core.model_state` for how they advance per rank and step.
           optimizer: any optax transformation; it sees the model's parameter
             tree (an `nnx.State`, sharded over `axis` under zero1), as on one device.
           loss_fn: `loss_fn(model, batch) -> scalar` mean loss of a batch (with
@@ -295,7 +295,7 @@ class DDPRun:
         # programs may run concurrently and meet their collectives in another order in each process
         return jax.jit(lambda tree: tree, out_shardings=self._sharding(P()))
 
-    # -- the canonical state (jaxdist.canonical) ------------------------------
+    # -- the canonical state (jaxdist.core.canonical) ------------------------------
     # The parameters are already the model's tree, sharded as the canonical form is: converting
     # is renaming (an nnx.State <-> its pure dict), no data moves.
 

@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxdist import comm
-from jaxdist._compat import varying_axes
+from jaxdist.core.compat import varying_axes
 
 # The name scope of every collective these layers issue in backward. Under `shard_map(check_vma=True)`
 # JAX sums a gradient over an axis wherever a value invariant over it met a varying one; the sums
-# these layers make themselves carry this scope, so `jaxdist._tp_grads` can tell JAX's from ours.
+# these layers make themselves carry this scope, so `jaxdist.tp.grads` can tell JAX's from ours.
 SCOPE = "jaxdist_tp"
 
 
@@ -74,7 +74,7 @@ def gather_whole(x, axis: str, dim: int, backend: str | None = None):
 
     Under check_vma the result is typed invariant over `axis` (what it is; `comm.all_gather` follows
     `lax.all_gather`, typed varying), made as a sum of zero-padded pieces: that runs only in
-    `jaxdist._tp_grads`'s type trace, which is never compiled. Otherwise it is `comm.all_gather`.
+    `jaxdist.tp.grads`'s type trace, which is never compiled. Otherwise it is `comm.all_gather`.
     """
     if axis not in varying_axes(x):
         return comm.all_gather(x, axis, comm.token("tp"), axis=dim, backend=backend)[0]

@@ -1,5 +1,5 @@
 """Pipeline parallelism over a `pp` mesh axis: the unit engine's blocks split into stages, run by
-a schedule table (`jaxdist.pipeline_schedule`), composed with the engine's data and tp axes.
+a schedule table (`jaxdist.pipeline.schedule`), composed with the engine's data and tp axes.
 
 The repeated blocks split into `pp * v` stages of equal length; rank r of `pp`
 runs stages r, r + pp, ... (its chunks), the embedding runs with stage 0 and
@@ -44,9 +44,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
-from jaxdist import pipeline_schedule as ps
-from jaxdist._compat import model_sharding_dropped
-from jaxdist.engine import Parallel, ParallelRun, Units, by_dtype
+from jaxdist.core.compat import model_sharding_dropped
+from jaxdist.engine.run import Parallel, ParallelRun, Units, by_dtype
+from jaxdist.pipeline import schedule as ps
 
 IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, B_LAST = range(7)
 
@@ -58,7 +58,7 @@ class Pipelined(Parallel):
     Attributes:
       pp_axis: the mesh axis the stages are spread over (size >= 2).
       microbatches: micro-batches per data rank's batch (its rows must divide).
-      schedule: "1f1b", "gpipe" or "interleaved" (`jaxdist.pipeline_schedule`).
+      schedule: "1f1b", "gpipe" or "interleaved" (`jaxdist.pipeline.schedule`).
       virtual: stages per rank (chunks) of the interleaved schedule.
 
     A stage's backward always recomputes its forward from the stage input (so `remat=True` adds

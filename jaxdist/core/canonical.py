@@ -5,7 +5,7 @@ tp pieces in storage order, ...). The canonical form is what a
 single-device optax run holds: parameters as the model's pure dict (keyed by
 parameter path, single-device shapes), the optimizer state of
 `optimizer.init(params)` on that dict, the step, and the model's other
-variables as a pure dict (`jaxdist.model_state`). Its arrays stay sharded
+variables as a pure dict (`jaxdist.core.model_state`). Its arrays stay sharded
 (e.g. along the dimension the storage shards), so a checkpoint of it is
 written from the devices that hold the shards, and converting between two
 layouts is a resharding inside `jit`, never a full copy on one device.
@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxdist._step import TrainState
-from jaxdist.per_leaf import owners
+from jaxdist.core.per_leaf import owners
+from jaxdist.core.step import TrainState
 
 
 def mirror_map(opt_tree, params, on_mirror: Callable[[Any, Any], Any], on_other: Callable[[Any], Any]):

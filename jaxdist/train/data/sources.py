@@ -1,5 +1,5 @@
 """Training data: prepared token shards (data.source = shards, or text prepared on the fly) and a
-synthetic stream, all read through grain (jaxdist.train.shards).
+synthetic stream, all read through grain (jaxdist.train.data.shards).
 
 A batch depends only on the seed and the step number, so a resumed run sees
 exactly the batches the uninterrupted run would have, and every process reads
@@ -15,8 +15,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxdist.train.config import DataConfig
-from jaxdist.train.prepare import ensure_prepared
-from jaxdist.train.shards import ShardData, StepData, read_index
+from jaxdist.train.data.prepare import ensure_prepared
+from jaxdist.train.data.shards import ShardData, StepData, read_index
 
 CORPUS = Path(__file__).parent / "corpus" / "river.txt"
 VAL_SEED_OFFSET = 1_000_003  # synthetic validation batches: another seed

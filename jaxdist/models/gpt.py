@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdist import tp_plan
-from jaxdist.engine import Units
+from jaxdist.engine.run import Units
+from jaxdist.tp import plan as tp_plan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ gathered weights after use; backward re-gathers unit i-1 while unit i computes
 its gradients (recomputing unit i's forward, or with `remat=False` rebuilding
 only the residuals of its weights alone) and reduce-scatters unit i's gradients
 while unit i-1 runs. Both
-are the engine's `jaxdist._pipeline.pipelined_loop`, whose carry holds exactly
+are the engine's `jaxdist.engine.prefetch.pipelined_loop`, whose carry holds exactly
 `buffers - 1` in-flight units.
 """
 
@@ -21,9 +21,9 @@ import jax
 import optax
 from flax import nnx
 
-from jaxdist.engine import Parallel, ParallelRun, Units
+from jaxdist.engine.run import Parallel, ParallelRun, Units
 
-__all__ = ["FSDP", "Units"]
+__all__ = ["FSDP"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxdist.train import tokenize
+from jaxdist.train.data import tokenize
 from jaxdist.train.report import disk_full, is_terminal, write_problem
 
 FORMAT = "jaxdist-shards/1"

@@ -26,7 +26,7 @@ def library_dirs() -> list[Path]:
     $JAXDIST_FFI_LIBRARY names (a developer's own build), next to this package,
     or in the site-packages copy an editable install keeps them in."""
     override = [Path(os.environ[LIBRARY_ENV]).resolve().parent] if os.environ.get(LIBRARY_ENV) else []
-    here = Path(__file__).resolve().parent / "_lib"
+    here = Path(__file__).resolve().parents[1] / "_lib"  # jaxdist/_lib, beside jaxdist/comm
     others = [Path(p) / "jaxdist" / "_lib" for p in sys.path if p]
     return list(dict.fromkeys([*override, here, *others]))
 

@@ -11,7 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from flax import nnx
 
-from jaxdist._step import TrainState
+from jaxdist.core.step import TrainState
 
 
 @runtime_checkable

@@ -14,15 +14,15 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
-from jaxdist._compat import on_mesh
-from jaxdist.model_state import keep_if
+from jaxdist.core.compat import on_mesh
+from jaxdist.core.model_state import keep_if
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TrainState:
     """What a step updates: parameters (in the strategy's storage layout), optimizer state, step, and
-    the model's other variables (RNG streams, batch statistics; `jaxdist.model_state`), replicated."""
+    the model's other variables (RNG streams, batch statistics; `jaxdist.core.model_state`), replicated."""
 
     params: Any
     opt_state: Any

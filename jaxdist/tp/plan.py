@@ -62,7 +62,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxdist import tp as tp_math
+from jaxdist.tp import layers as tp_math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +144,7 @@ def replicated() -> Placement:
 
 _MISUSE = (
     "TP plan: these logits are this rank's vocabulary slice (loss_parallel=True); only "
-    "jaxdist.tp_plan.cross_entropy(logits, labels) reads them. Compute the loss with it, or gather "
+    "jaxdist.tp.plan.cross_entropy(logits, labels) reads them. Compute the loss with it, or gather "
     "the logits (gather_output=True, or loss_parallel=False on a vocab embedding) to use them otherwise"
 )
 
