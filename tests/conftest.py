@@ -43,8 +43,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def trained_layouts(tmp_path_factory):
-    """Each checkpoint layout of tests/layouts.py trained once, shared by the tests that compare layouts."""
-    from layouts import trained_layouts_once
+    """Each checkpoint layout of tests/support/layouts.py trained once, shared by the tests that compare layouts."""
+    from support.layouts import trained_layouts_once
 
     yield from trained_layouts_once(tmp_path_factory)
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from layouts import DATA, LAYOUTS, OPTIMIZER, SPLIT, batches, make_model
+from support.layouts import DATA, LAYOUTS, OPTIMIZER, SPLIT, batches, make_model
 from test_ddp import assert_params_close
 from test_engine import reference_run
 

@@ -4,7 +4,7 @@ the state and the arrays handed to it are deleted before the write finishes."""
 import jax
 import numpy as np
 import optax
-from layouts import LAYOUTS, batches, make_model
+from support.layouts import LAYOUTS, batches, make_model
 
 from jaxdist.train.checkpoint import Checkpoints
 

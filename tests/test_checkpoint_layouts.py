@@ -13,7 +13,7 @@ differ by float32 rounding (means of per-device means, partial products summed o
 import jax
 import numpy as np
 import pytest
-from layouts import DATA, SPLIT, Trained
+from support.layouts import DATA, SPLIT, Trained
 from test_ddp import assert_params_close
 
 CHAIN = ["ddp8", "zero1-8", "fsdp8", "hsdp2x4", "dp4xtp2", "fsdp-tp2x2x2", "one"]

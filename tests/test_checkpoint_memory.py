@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from layouts import LAYOUTS, batches, make_model
+from support.layouts import LAYOUTS, batches, make_model
 
 from jaxdist.train.checkpoint import Checkpoints
 

@@ -4,8 +4,8 @@ canonical form and back exactly; its canonical parameters are the run's own full
 import jax
 import numpy as np
 import optax
-from layouts import PLAN, batches, make_model
-from meshes import cpu_mesh
+from support.layouts import PLAN, batches, make_model
+from support.meshes import cpu_mesh
 
 from jaxdist.models.gpt import UNITS
 from jaxdist.pipeline.run import Pipelined

@@ -15,10 +15,10 @@ import pytest
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from tests.meshes import cpu_mesh
 
 from jaxdist import comm
 from jaxdist.comm import nccl
-from tests.meshes import cpu_mesh
 
 NAMES = ("a", "b")
 CASES = [(shape, order) for shape in [(2, 4), (4, 2)] for order in [("a", "b"), ("b", "a")]]

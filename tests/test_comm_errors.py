@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tests.meshes import cpu_mesh
 
 from jaxdist import comm
-from tests.meshes import cpu_mesh
 
 MESH = cpu_mesh((2, 4), ("a", "b"))
 

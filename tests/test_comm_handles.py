@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from tests.meshes import cpu_mesh
 
 from jaxdist import comm
 from jaxdist.comm import Handle
-from tests.meshes import cpu_mesh
 
 MESH = cpu_mesh((8,), ("x",))
 REFUSED = r"wait: this all_gather handle is waited outside the shard_map it was started in"

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tests.meshes import MESH_AXES, cpu_mesh, mesh_axes_id
 
 from jaxdist import comm
-from tests.meshes import MESH_AXES, cpu_mesh, mesh_axes_id
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "int32": jnp.int32}
 # (local shape, gather/untiled axis, scatter axis): reduce_scatter needs a dim divisible by 8

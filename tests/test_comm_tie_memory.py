@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tests.meshes import cpu_mesh
 
 from jaxdist import comm
-from tests.meshes import cpu_mesh
 
 MESH = cpu_mesh((8,), ("x",))
 WIDTH = 4096  # one gathered (8, WIDTH) float32 array: 128 KiB

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tests.meshes import cpu_mesh
 
 from jaxdist import comm
-from tests.meshes import cpu_mesh
 
 MESH = cpu_mesh((8,), ("x",))
 # one distinct column count per op, so each collective can be found in the HLO by its shape

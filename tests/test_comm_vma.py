@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
-from meshes import cpu_mesh
+from support.meshes import cpu_mesh
 
 from jaxdist.comm import nccl
 from jaxdist.comm.xla import XLA_BACKEND

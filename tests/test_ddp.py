@@ -19,8 +19,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from hlo_schedule import entry_schedule, positions
-from meshes import cpu_mesh
+from support.hlo_schedule import entry_schedule, positions
+from support.meshes import cpu_mesh
 
 from jaxdist.ddp.run import DDP
 from jaxdist.models.gpt import GPT, GPTConfig, next_token_loss

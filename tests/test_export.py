@@ -6,7 +6,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from layouts import GPT_CFG, LAYOUTS, OPTIMIZER, batches, make_model
+from support.layouts import GPT_CFG, LAYOUTS, OPTIMIZER, batches, make_model
 from test_train import BASE
 
 from jaxdist.models.gpt import GPT
@@ -29,7 +29,7 @@ def readme_load(path, model):
 def test_export_of_a_tp_run_loads_with_flax_alone_as_the_runs_own_parameters(tmp_path, capsys):
     """dp x tp stores the fused qkv columns in another order: the export is the model's own order."""
     data = batches(1)
-    # the optimizer of tests/layouts.py: the step and the conversion are compiles the test run already has
+    # the optimizer of tests/support/layouts.py: the step and the conversion are compiles the test run already has
     run = LAYOUTS["dp4xtp2"](make_model(), OPTIMIZER, data[0])
     state, _ = run.step(run.state, data[0])
     ckpt = Checkpoints(tmp_path / "run", keep=1)

@@ -14,8 +14,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from hlo_schedule import entry_schedule, positions
-from meshes import cpu_mesh
+from support.hlo_schedule import entry_schedule, positions
+from support.meshes import cpu_mesh
 from test_ddp import LOSS_RTOL, assert_params_close, reference_run
 
 from jaxdist.ddp.run import DDP

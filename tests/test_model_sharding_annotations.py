@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from meshes import cpu_mesh
+from support.meshes import cpu_mesh
 
 from jaxdist.ddp.run import DDP
 from jaxdist.engine.fsdp import FSDP

@@ -25,7 +25,7 @@ import pytest
 import test_engine_models as models
 import test_strategy_models as nets
 from flax import nnx
-from meshes import cpu_mesh
+from support.meshes import cpu_mesh
 from test_ddp import MLP, WithUnusedLayers
 from test_ddp import mlp_loss as ddp_mlp_loss
 from test_engine import GPT_CFG, MLP_PLAN, MLP_UNITS, ResMLP, gpt_batches, mlp_batches, mlp_loss

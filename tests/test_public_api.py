@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from meshes import cpu_mesh
+from support.meshes import cpu_mesh
 
 import jaxdist
 from jaxdist import DDP, FSDP, Parallel, Pipelined, Run, TPPlan, TrainState, Units, comm

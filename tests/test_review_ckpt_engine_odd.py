@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from meshes import cpu_mesh
+from support.meshes import cpu_mesh
 from test_engine import reference_run
 from test_review_ckpt_mlp import run_steps
 

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from meshes import cpu_mesh
+from support.meshes import cpu_mesh
 from test_export import readme_load
 
 from jaxdist.ddp.run import DDP

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from meshes import cpu_mesh
+from support.meshes import cpu_mesh
 
 from jaxdist.ddp.run import DDP
 from jaxdist.train.checkpoint import Checkpoints

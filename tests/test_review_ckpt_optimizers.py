@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from layouts import LAYOUTS, batches, make_model
+from support.layouts import LAYOUTS, batches, make_model
 from test_canonical import trained
 from test_ddp import assert_params_close
 from test_engine import reference_run

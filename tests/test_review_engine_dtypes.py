@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from meshes import cpu_mesh
+from support.meshes import cpu_mesh
 from test_review_models_engine import reference, train
 
 from jaxdist.engine.run import Parallel, Units

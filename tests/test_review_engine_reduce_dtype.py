@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from meshes import cpu_mesh
+from support.meshes import cpu_mesh
 from test_review_models_engine import ODD_UNITS, OddMLP, odd_batches, odd_loss
 
 from jaxdist.ddp.run import DDP

@@ -10,7 +10,7 @@ import jax
 import optax
 import pytest
 from flax import nnx
-from meshes import cpu_mesh
+from support.meshes import cpu_mesh
 from test_review_models_engine import ODD_UNITS, OddMLP, assert_same_training, odd_batches, odd_loss, reference, train
 
 from jaxdist.ddp.run import DDP

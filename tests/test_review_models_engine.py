@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from meshes import cpu_mesh
+from support.meshes import cpu_mesh
 
 from jaxdist.ddp.run import DDP
 from jaxdist.engine.fsdp import FSDP

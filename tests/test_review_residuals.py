@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from meshes import cpu_mesh
+from support.meshes import cpu_mesh
 from test_ddp import LOSS_RTOL, assert_params_close
 from test_engine import MLP_UNITS, ResMLP, engine_run, mlp_batches, mlp_loss, reference
 

@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import AxisType
-from meshes import cpu_mesh
+from support.meshes import cpu_mesh
 
 from jaxdist.ddp.run import DDP
 from jaxdist.engine.fsdp import FSDP

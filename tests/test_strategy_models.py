@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from meshes import cpu_mesh
+from support.meshes import cpu_mesh
 from test_ddp import LOSS_RTOL, assert_params_close, reference_run
 
 from jaxdist.ddp.run import DDP

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from meshes import cpu_mesh
+from support.meshes import cpu_mesh
 
 from jaxdist.tp import layers as tp
 

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from meshes import cpu_mesh
+from support.meshes import cpu_mesh
 
 from jaxdist.engine.run import Parallel, Units
 from jaxdist.tp import plan as tp_plan

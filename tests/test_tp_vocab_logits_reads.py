@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from meshes import cpu_mesh
+from support.meshes import cpu_mesh
 
 from jaxdist.engine.run import Parallel
 from jaxdist.models.gpt import GPT, UNITS, GPTConfig, tp_plan_for

@@ -3,7 +3,7 @@
 
 import jax
 import pytest
-from meshes import cpu_mesh
+from support.meshes import cpu_mesh
 
 from jaxdist.comm import nccl
 from jaxdist.train import cli

@@ -4,12 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from meshes import cpu_mesh
 
 from jaxdist.ddp.run import DDP
 from jaxdist.engine.run import Parallel
 from jaxdist.models.gpt import GPT, UNITS, GPTConfig, next_token_loss, tp_plan_for
 from jaxdist.train.checkpoint import Checkpoints
+from support.meshes import cpu_mesh
 
 GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
 PLAN = tp_plan_for(GPT_CFG)
