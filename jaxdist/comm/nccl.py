@@ -199,7 +199,10 @@ def init(mesh: Mesh, axes=None, *, blocking: bool = True) -> None:
             if d.process_index == jax.process_index()
         ]
         n = len(local)
-        ints = lambda xs: (ctypes.c_int * len(xs))(*xs)  # noqa: E731
+
+        def ints(xs):
+            return (ctypes.c_int * len(xs))(*xs)
+
         _native.call(
             "jaxdist_comm_init",
             key,

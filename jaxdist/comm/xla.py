@@ -49,7 +49,10 @@ def _in_mesh_order(axis_name, perm):
     if in_mesh_order == names:
         return axis_name, perm
     sizes = {n: lax.axis_size(n) for n in names}
-    renumber = lambda r: reorder_rank(r, names, sizes, in_mesh_order)  # noqa: E731
+
+    def renumber(r):
+        return reorder_rank(r, names, sizes, in_mesh_order)
+
     return in_mesh_order, tuple((renumber(s), renumber(d)) for s, d in perm)
 
 

@@ -82,7 +82,10 @@ def _dependencies(jaxpr, in_labels: list[set]) -> list[set]:
     """The input labels each output of `jaxpr` depends on; calls are followed inside, any other
     equation makes each output depend on all its inputs."""
     env = dict(zip(jaxpr.invars, in_labels, strict=True))
-    read = lambda v: env.get(v, set()) if isinstance(v, jcore.Var) else set()
+
+    def read(v):
+        return env.get(v, set()) if isinstance(v, jcore.Var) else set()
+
     for eqn in jaxpr.eqns:
         inner = [p for p in eqn.params.values() if isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr))]
         inner = [p.jaxpr if isinstance(p, jcore.ClosedJaxpr) else p for p in inner]

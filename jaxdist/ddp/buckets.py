@@ -173,8 +173,13 @@ def bucket_layout(
     end_align = math.lcm(dp, BUCKET_ALIGN, NCCL_BUSBW_ALIGN if pad_for_nccl else 1)
     dims = [shard_dim(leaf.shape, dp) if rank_major else None for leaf in leaves]
     # a kind of bucket: (dtype, sharded); kinds never share a bucket
-    kind_of = lambda leaf: (np.dtype(leaves[leaf].dtype), dims[leaf] is not None)
-    segments = lambda kind: dp if kind[1] else 1
+
+    def kind_of(leaf):
+        return np.dtype(leaves[leaf].dtype), dims[leaf] is not None
+
+    def segments(kind):
+        return dp if kind[1] else 1
+
     buckets: list[Bucket] = []
     open_slots: dict[tuple, list[Slot]] = {}
     open_used: dict[tuple, int] = {}  # per segment

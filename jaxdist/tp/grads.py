@@ -158,7 +158,10 @@ def _vary(x, axis):
 def _walk(jaxpr, in_masks: list[int], axis: str, who: str) -> list[int]:
     """The mask of each output of `jaxpr` given its inputs' (constants reach nothing)."""
     env: dict = {}
-    read = lambda v: env.get(v, 0) if isinstance(v, Var) else 0
+
+    def read(v):
+        return env.get(v, 0) if isinstance(v, Var) else 0
+
     for v, m in zip(jaxpr.invars, in_masks, strict=True):
         env[v] = m
     for eqn in jaxpr.eqns:

@@ -210,7 +210,10 @@ class ColumnParallelLinear(nnx.Module):
     @staticmethod
     def split(kernel, bias, rank: int, size: int):
         n = kernel.shape[-1] // size
-        cut = lambda a: a[..., rank * n : (rank + 1) * n]
+
+        def cut(a):
+            return a[..., rank * n : (rank + 1) * n]
+
         return cut(kernel), None if bias is None else cut(bias)
 
     def __call__(self, x):

@@ -304,7 +304,10 @@ def ensure_prepared(
     files = _inputs(inputs)
     source = f"bpe:{train_bpe}" if train_bpe else (spec if spec == "bytes" else str(Path(spec).absolute()))
     # the inputs by content: the same text moved or renamed prepares the same shards, so they are reused
-    contents = lambda inputs: [{k: v for k, v in f.items() if k != "path"} for f in inputs]
+
+    def contents(inputs):
+        return [{k: v for k, v in f.items() if k != "path"} for f in inputs]
+
     wanted = {"inputs": contents(source_record(files)), "tokenizer_source": source, "val_fraction": val_fraction}
     index_path = out / INDEX
     if index_path.is_file():
