@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist.models import hf_config
+from jaxdist.models import families, hf_config
 from jaxdist.models.hf_config import HFConfigError
 from jaxdist.models.hf_layout import IGNORED_SUFFIXES, Tensor, tensors, tied
 
@@ -53,16 +53,11 @@ class HFModel:
 
 
 def family_classes(family: str) -> tuple[type, type]:
-    """(model class, config class) of a family."""
-    if family == "llama":
-        from jaxdist.models.llama import Llama, LlamaConfig
-
-        return Llama, LlamaConfig
-    if family == "gemma":
-        from jaxdist.models.gemma import Gemma, GemmaConfig
-
-        return Gemma, GemmaConfig
-    raise HFConfigError(f"unknown model family {family!r}; choose llama or gemma")
+    """(model class, config class) of a family ("llama" or "gemma")."""
+    if family not in ("llama", "gemma"):
+        raise HFConfigError(f"unknown model family {family!r}; Hugging Face checkpoints are of llama or gemma")
+    found = families.get(family)
+    return found.model, found.config
 
 
 def read_config(directory: str | Path, **overrides) -> HFModel:

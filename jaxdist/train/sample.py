@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxdist.models import families
 from jaxdist.models.gpt import GPT, GPTConfig
 
 
@@ -107,8 +108,11 @@ class Generator:
         return logits, cache, len(ids)
 
 
-def model_config(meta_model: dict) -> GPTConfig:
-    """The GPTConfig a checkpoint's metadata records (dtypes are stored by name)."""
+def model_config(meta_model: dict):
+    """The model config a checkpoint's metadata records (dtypes are stored by name): a GPTConfig, or the
+    family's config where the record names one."""
+    if "family" in meta_model:
+        return dataclasses.replace(families.from_record(meta_model), attention=None)  # one device, any platform
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     values = {k: v for k, v in meta_model.items() if k in fields}
     for k in ("dtype", "param_dtype"):
@@ -132,7 +136,8 @@ def load_run(run_dir: str | Path, data_dir: str | Path | None = None):
         step, meta, saved = read_params(run_dir)
     except CheckpointError as e:
         raise ValueError(str(e)) from None
-    model = GPT(model_config(meta["model"]), nnx.Rngs(0))
+    mcfg = model_config(meta["model"])
+    model = families.family_of(mcfg).model(mcfg, nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(params, saved)  # only the parameters are read
     nnx.update(model, params)

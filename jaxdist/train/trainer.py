@@ -1,7 +1,7 @@
 """The trainer: config -> mesh, model, optimizer, strategy, data -> a loop with metrics and checkpoints.
 
 `parallelize` is the one place that turns the `parallel` section into a
-strategy: tp > 1 gives the unit engine with the GPT's TP plan (DP x TP with
+strategy: tp > 1 gives the unit engine with the model family's TP plan (DP x TP with
 ZeRO-1 over dp, or FSDP x TP, HSDP x TP with fsdp > 1), fsdp > 1 alone the
 engine's ZeRO-3 (HSDP with dp > 1; FSDP with parallel.update_in_backward),
 otherwise DDP (ZeRO-1 unless parallel.zero1=false).
@@ -25,8 +25,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.models.gpt import FLAVORS, GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for
-from jaxdist.train import hooks, memory, run_dir
+from jaxdist.models import families
+from jaxdist.models.gpt import FLAVORS, GPTConfig
+from jaxdist.train import hf_init, hooks, memory, run_dir
 from jaxdist.train import metrics as metrics_lib
 from jaxdist.train import schedule as schedule_lib
 from jaxdist.train.checkpoint import CheckpointError, Checkpoints, check_same_model, model_record
@@ -58,7 +59,11 @@ def init_distributed() -> None:
         jax.distributed.initialize(**initialize_args(os.environ))
 
 
-def model_config(cfg: TrainConfig) -> GPTConfig:
+def model_config(cfg: TrainConfig):
+    """The model to train: a GPT flavor with the model.* overrides, or what run.init_from=hf:DIR's
+    config.json says (`hf_init.model_of`)."""
+    if hf_init.directory(cfg.run.init_from) is not None:
+        return hf_init.model_of(cfg).config
     m = cfg.model
     if m.flavor not in FLAVORS:
         raise ConfigError(f"unknown model.flavor {m.flavor!r}; choose one of {', '.join(FLAVORS)}")
@@ -122,13 +127,15 @@ def make_optimizer(cfg: TrainConfig, decay_steps: int | None = None) -> optax.Gr
     return adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=mask), schedule
 
 
-def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
-    """The strategy the `parallel` section asks for, prepared on `model`."""
+def parallelize(cfg: TrainConfig, mesh, model: nnx.Module, optimizer, batch):
+    """The strategy the `parallel` section asks for, prepared on `model` (of any family: its units, loss and
+    TP plan)."""
     from jaxdist.ddp.run import DDP
-    from jaxdist.engine.fsdp import FSDP, Units
+    from jaxdist.engine.fsdp import FSDP
     from jaxdist.engine.run import Parallel
 
     p, o = cfg.parallel, cfg.optim
+    family = families.family_of(model)
     clip = o.max_grad_norm if o.max_grad_norm > 0 else None
     comm_dtype = _comm_dtype(cfg)
     if o.accumulation_steps > 1 and (p.tp > 1 or p.fsdp > 1):
@@ -148,7 +155,7 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
             raise ConfigError("parallel.update_in_backward works with FSDP alone (tp=1); set it to false")
         strategy = Parallel(
             mesh,
-            plan=tp_plan_for(model.cfg) if p.tp > 1 else None,
+            plan=_tp_plan(model, p.tp),
             zero1=p.zero1,
             sequence_parallel=p.sequence_parallel and p.tp > 1,
             remat=_remat_option(p.remat),
@@ -158,7 +165,7 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
             max_grad_norm=clip,
             backend=p.backend,
         )
-        return strategy.prepare(model, optimizer, UNITS, batch)
+        return strategy.prepare(model, optimizer, family.units, batch)
     if p.fsdp > 1:
         dp_axis = "dp" if mesh.shape["dp"] > 1 else None
         strategy = FSDP(
@@ -173,7 +180,7 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
             skip_nonfinite=not p.update_in_backward,
             backend=p.backend,
         )
-        return strategy.prepare(model, optimizer, Units(embed_inputs, head_loss), batch)
+        return strategy.prepare(model, optimizer, family.units, batch)
     if p.remat is True:  # DDP differentiates the whole loss: it has no blocks to recompute
         raise ConfigError(
             "parallel.remat=true recomputes blocks in FSDP, TP and the pipeline (parallel.fsdp, tp or pp > 1); "
@@ -188,7 +195,19 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
         max_grad_norm=clip,
         backend=p.backend,
     )
-    return strategy.prepare(model, optimizer, next_token_loss, batch)
+    return strategy.prepare(model, optimizer, family.loss, batch)
+
+
+def _tp_plan(model: nnx.Module, tp: int):
+    """The model family's TP plan for `tp` ranks (None for tp = 1); a config it cannot split is refused."""
+    if tp == 1:
+        return None
+    family = families.family_of(model)
+    try:
+        family.check_tp(model.cfg, tp)
+    except ValueError as e:
+        raise ConfigError(f"parallel.tp={tp}: {e}") from None
+    return family.tp_plan_for(model.cfg)
 
 
 def _comm_dtype(cfg: TrainConfig) -> np.dtype | None:
@@ -203,7 +222,7 @@ def _remat_option(value: bool | str) -> bool | None:
     return None if value == "auto" else value  # other values are refused by `config.validate`
 
 
-def _pipelined(cfg: TrainConfig, mesh, model: GPT, optimizer, batch, clip):
+def _pipelined(cfg: TrainConfig, mesh, model: nnx.Module, optimizer, batch, clip):
     """The pipeline over `pp` (the unit engine's storage and TP plan on the other axes)."""
     from jaxdist.pipeline.run import Pipelined
 
@@ -217,7 +236,7 @@ def _pipelined(cfg: TrainConfig, mesh, model: GPT, optimizer, batch, clip):
     try:
         strategy = Pipelined(
             mesh,
-            plan=tp_plan_for(model.cfg) if p.tp > 1 else None,
+            plan=_tp_plan(model, p.tp),
             zero1=p.zero1,
             remat=_remat_option(p.remat),
             compute_dtype=comm_dtype,
@@ -227,7 +246,7 @@ def _pipelined(cfg: TrainConfig, mesh, model: GPT, optimizer, batch, clip):
             schedule=p.schedule,
             virtual=p.virtual,
         )
-        return strategy.prepare(model, optimizer, UNITS, batch)
+        return strategy.prepare(model, optimizer, families.family_of(model).units, batch)
     except ValueError as e:  # the pipeline's own one-line errors name the parallel.* key to change
         raise ConfigError(f"parallel.pp={p.pp}: {e}") from None
 
@@ -299,6 +318,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     would), saving a checkpoint: used to test resuming.
     """
     validate(cfg)
+    hf_init.use_tokenizer(cfg)  # run.init_from=hf:DIR: its tokenizer.json tokenizes text data
     init_distributed()
     devices = jax.devices()
     check_backend(cfg, devices)
@@ -321,7 +341,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTCon
             f"{' x accumulation steps' if cfg.optim.accumulation_steps > 1 else ''}; pick a multiple of {n_batch}"
         )
 
-    model_meta = model_record(dataclasses.asdict(mcfg))
+    model_meta = model_record(families.record(mcfg))
     layout = layout_of(cfg, mesh)
     keep, compress = cfg.run.keep_checkpoints, cfg.run.checkpoint_compress
     ckpt = Checkpoints(out_dir, keep, compress=compress) if cfg.run.checkpoint_every >= 0 else None
@@ -332,8 +352,9 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTCon
         start, meta = found
         hooks.check_same_data(meta, source)
 
-    model = GPT(mcfg, nnx.Rngs(cfg.run.seed))
-    if cfg.run.init_from and found is None:  # a resumed run reads its own checkpoint instead, below
+    model = families.family_of(mcfg).model(mcfg, nnx.Rngs(cfg.run.seed))
+    from_hf = hf_init.directory(cfg.run.init_from) is not None and found is None
+    if cfg.run.init_from and found is None and not from_hf:  # a resumed run reads its own checkpoint, below
         from jaxdist.train.export import load_params
 
         nnx.update(model, load_params(cfg.run.init_from, nnx.state(model, nnx.Param)))
@@ -345,7 +366,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTCon
     decay_steps = schedule_lib.decay_steps(cfg, meta, start)
     optimizer, schedule = make_optimizer(cfg, decay_steps)
     run = parallelize(cfg, mesh, model, optimizer, example)
-    state = run.state
+    state = hf_init.load_state(run, optimizer, mcfg, cfg.run.init_from) if from_hf else run.state
     if found is not None:
         start, (state, meta) = _restore_state(ckpt, start, run, model_meta)
         saved_in = meta.get("layout")
@@ -362,7 +383,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTCon
     log = MetricsLog(out_dir, cfg.run.tensorboard, start)
     peak = PEAK_FLOPS.get(jax.local_devices()[0].device_kind) if mcfg.dtype == jnp.bfloat16 else None
     tokens_per_step = cfg.data.batch_size * mcfg.seq_len
-    flops_step = flops_per_token(mcfg) * tokens_per_step
+    flops_step = families.family_of(mcfg).flops_per_token(mcfg) * tokens_per_step
     end = cfg.run.steps if stop_after is None else min(cfg.run.steps, start + stop_after)
     bar = _progress(cfg, start, end)
     losses: list[float] = []
