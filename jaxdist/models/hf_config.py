@@ -182,6 +182,7 @@ def _gemma(hf: dict, arch: str) -> dict[str, Any]:
     if act not in ("gelu_pytorch_tanh", None):
         raise HFConfigError(f"{arch} with hidden_activation={act!r} is not supported (gelu_pytorch_tanh)")
     _require(hf, arch, "attention_bias", (False, None), "no attention biases")
+    _require(hf, arch, "use_bidirectional_attention", (False, None), "causal attention")
     if hf.get("tie_word_embeddings") is False:
         raise HFConfigError(f"{arch} with tie_word_embeddings=false is not supported (Gemma ties its head)")
     local, full = _gemma_rope(hf, arch)
@@ -234,7 +235,7 @@ def write(family: str, cfg, torch_dtype: str) -> dict[str, Any]:
         out = {
             **common,
             "hidden_act": "silu",
-            "rope_theta": cfg.rope_theta,
+            "rope_theta": float(cfg.rope_theta),
             "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
             "tie_word_embeddings": bool(cfg.tie_embeddings),
             "attention_bias": False,
@@ -258,20 +259,27 @@ def write(family: str, cfg, torch_dtype: str) -> dict[str, Any]:
         out = {
             **common,
             "hidden_activation": "gelu_pytorch_tanh",
-            "rope_theta": cfg.rope_theta_global,
-            "sliding_window": cfg.sliding_window,
-            "query_pre_attn_scalar": cfg.query_pre_attn_scalar,
+            "rope_theta": float(cfg.rope_theta_global),
+            # no window: every layer global (a window the context's length, for transformers' int field)
+            "sliding_window": cfg.sliding_window or cfg.seq_len,
+            "query_pre_attn_scalar": _number(cfg.query_pre_attn_scalar),
             "attn_logit_softcapping": cfg.attn_softcap,
             "final_logit_softcapping": cfg.final_softcap,
             "tie_word_embeddings": True,
             "attention_bias": False,
-            "layer_types": [_layer_type(i, cfg.global_every) for i in range(cfg.n_layers)],
+            "layer_types": [_layer_type(i, cfg.global_every if cfg.sliding_window else 1) for i in range(cfg.n_layers)],
         }
         if not gemma2:
-            out.update(rope_local_base_freq=cfg.rope_theta_local, sliding_window_pattern=cfg.global_every)
+            every = cfg.global_every if cfg.sliding_window else 1
+            out.update(rope_local_base_freq=float(cfg.rope_theta_local), sliding_window_pattern=every)
     else:
         raise HFConfigError(f"unknown model family {family!r}; Hugging Face export knows llama and gemma")
     return {"architectures": [arch], "model_type": MODEL_TYPES[arch], **out}
+
+
+def _number(x: float) -> int | float:
+    """An integral float as an int (transformers declares query_pre_attn_scalar an int)."""
+    return int(x) if float(x).is_integer() else float(x)
 
 
 def torch_dtype_name(dtype) -> str:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from jaxdist.models import hf
 from jaxdist.train import cli
 from jaxdist.train import config as config_lib
 from jaxdist.train.checkpoint import CheckpointError
@@ -85,19 +86,32 @@ def test_the_fine_tuning_page_runs_end_to_end(page):
     assert any(not np.array_equal(trained[k], start[k]) for k in start)  # it did train
 
 
-def test_a_first_step_of_learning_rate_0_exports_the_weights_it_started_from(page, tmp_path):
+def test_a_first_step_of_learning_rate_0_exports_the_weights_it_started_from(page, tmp_path, monkeypatch):
     start = page / "tiny-qwen3"
     run = tmp_path / "run"
+    reads: dict[str, list[int]] = {}
+    read = hf.SafetensorsReader.read
+
+    def counted(reader, name, index):
+        data = read(reader, name, index)
+        reads.setdefault(name, []).append(data.nbytes)
+        return data
+
+    monkeypatch.setattr(hf.SafetensorsReader, "read", counted)
     # one step: the warmup's first learning rate is 0, so nothing changes
     overrides = [f"run.init_from=hf:{start}", "parallel.fsdp=2", "parallel.tp=2", f"run.out_dir={run}", *SHORT]
     train(config_lib.load(None, [*overrides, "run.steps=1"]))
+    original = load_file(start / "model.safetensors")
+    # onto the canonical shardings: the fsdp x tp split weights are read in quarters, never whole
+    for name in ("model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.q_proj.weight"):
+        assert max(reads[name]) == original[name].nbytes // 4, (name, reads[name])
+    assert sum(max(r) for r in reads.values()) < sum(w.nbytes for w in original.values()) / 2
     index = json.loads((run / "data" / "index.json").read_text())
     assert index["tokenizer_source"] == str(start / "tokenizer.json")  # data.source=text took the model's tokenizer
     export_hf(run, tmp_path / "out", shard_bytes=20_000)
     written = {}
     for file in (tmp_path / "out").glob("*.safetensors"):
         written.update(load_file(file))
-    original = load_file(start / "model.safetensors")
     assert written.keys() == original.keys()
     for name, value in original.items():
         np.testing.assert_array_equal(written[name], value, err_msg=name)
@@ -127,7 +141,8 @@ def test_a_directory_without_config_json_is_refused(tmp_path):
 
 def test_a_gpt_run_has_no_hugging_face_export(tmp_path):
     run = tmp_path / "gpt"
-    train(config_lib.load(None, ["data.source=synthetic", f"run.out_dir={run}", *SHORT, "run.steps=1"]))
+    tiny = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "run.steps=1"]
+    train(config_lib.load(None, ["data.source=synthetic", f"run.out_dir={run}", *SHORT, *tiny]))
     with pytest.raises(CheckpointError, match="trained a gpt model, which has no Hugging Face architecture"):
         export_hf(run, tmp_path / "out")
 
