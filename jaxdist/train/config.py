@@ -175,7 +175,11 @@ class RunConfig:
     keep_checkpoints: int = _key(2, "newest checkpoints kept", COUNT)
     checkpoint_compress: bool = _key(False, "zstd-compress checkpoints (float32 state ~8% smaller, ~2x slower saves)")
     resume: bool = _key(True, "continue from the newest checkpoint in out_dir")
-    init_from: str = _key("", "start a new run from these parameters (the OUT of `jaxdist export`); empty: none")
+    init_from: str = _key(
+        "",
+        "start a new run from these parameters: the OUT of `jaxdist export`, or hf:DIR (a Hugging Face model "
+        "directory: its config.json sets the model); empty: none",
+    )
     overwrite: bool = _key(False, "start over in an out_dir that holds a run, deleting its checkpoints and metrics")
     eval_every: int = _key(0, "validation loss every this many steps and at the end", at_least(0, "0: never"))
     eval_batches: int = _key(4, "validation batches (of data.batch_size) per evaluation", COUNT)
