@@ -461,7 +461,7 @@ def dtype_name(value) -> str:
 
 
 def model_record(model: dict) -> dict:
-    """A model config (`dataclasses.asdict(GPTConfig)`) as JSON: dtypes by name, so `GPTConfig(**record)` builds it."""
+    """A model config (`jaxdist.models.families.record`) as JSON: dtypes by name, so `from_record` builds it."""
     return {k: dtype_name(v) if k in DTYPE_KEYS and v is not None else v for k, v in model.items()}
 
 

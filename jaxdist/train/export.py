@@ -48,7 +48,8 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
 
 
 def exported_model(model):
-    """A checkpoint's model record as `GPTConfig(**record)` takes it: dtypes by name, without the choices of the
+    """A checkpoint's model record as `jaxdist.models.families.from_record` (for the GPT, `GPTConfig(**record)`)
+    takes it: dtypes by name, its family named (but the GPT's), without the choices of the
     platform that trained it (flash attention on GPUs), which the loading platform makes again (a record that
     is not a config, as a hand-made checkpoint may hold, as it is)."""
     if not isinstance(model, dict):

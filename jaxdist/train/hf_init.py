@@ -29,9 +29,14 @@ AGREE = {
     "n_layers": "num_hidden_layers",
     "d_model": "hidden_size",
     "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "d_ff": "intermediate_size",
     "vocab_size": "vocab_size",
     "tie_embeddings": "tie_word_embeddings",
+    "sliding_window": "sliding_window",
 }
+DEFAULT_FAMILY = "gpt"  # model.family's default: a run from hf:DIR takes the directory's
 
 
 def directory(init_from: str) -> Path | None:
@@ -43,13 +48,20 @@ def model_of(cfg: TrainConfig) -> hf.HFModel:
     """The model config.json describes, with the run's training length and compute dtype."""
     where = directory(cfg.run.init_from)
     try:
-        _, kwargs = hf_config.read(hf_config.load_json(where))
+        family, kwargs = hf_config.read(hf_config.load_json(where))
     except HFConfigError as e:
         raise ConfigError(f"run.init_from={cfg.run.init_from}: {e}") from None
     m = cfg.model
+    if m.family not in (DEFAULT_FAMILY, family):
+        raise ConfigError(
+            f"model.family={m.family} contradicts {where / 'config.json'}, a {family} model; "
+            f"leave model.family unset with run.init_from={cfg.run.init_from}"
+        )
     for key, hf_key in AGREE.items():
-        ours = getattr(m, key)
+        ours = getattr(m, key, None)
         theirs = kwargs.get(key, True)  # Gemma has no tie_embeddings: its head is always the embedding
+        if key == "sliding_window" and ours == 0:
+            ours = None  # 0: no window
         if ours is not None and ours != theirs:
             raise ConfigError(
                 f"model.{key}={ours} contradicts {hf_key}={theirs} in {where / 'config.json'}; "

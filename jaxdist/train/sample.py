@@ -1,16 +1,15 @@
 """`jaxdist sample RUN_DIR`: text from a run's newest checkpoint, decoded with a KV cache under `jit`.
 
-The checkpoint's full parameters are restored onto one device. The prompt is
-run once through `GPT.decode` (prefill), then each new token costs one
-single-position `decode` against the cached keys and values. When the context
-reaches the model's `seq_len` (its learnt positions end there), the cache is
+The checkpoint's full parameters are restored onto one device, in the model family the checkpoint
+records. The prompt is run once through the model's `decode` (prefill), then each new token costs
+one single-position `decode` against the cached keys and values. When the context reaches the
+model's `seq_len` (the GPT's learnt positions end there, and every family's cache), the cache is
 rebuilt from the newest `seq_len // 2` tokens and decoding continues.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 from functools import partial
 from pathlib import Path
@@ -21,7 +20,6 @@ import numpy as np
 from flax import nnx
 
 from jaxdist.models import families
-from jaxdist.models.gpt import GPT, GPTConfig
 
 
 def _prefill(graphdef, state, tokens, length):
@@ -53,7 +51,7 @@ class Generator:
     """Token generation for one model on one device: `generate(prompt_ids, n, ...)`. It draws only ids below
     `vocab_size` (default: the model's; give the tokenizer's when the model's is padded past it)."""
 
-    def __init__(self, model: GPT, vocab_size: int | None = None):
+    def __init__(self, model: nnx.Module, vocab_size: int | None = None):
         self.cfg = model.cfg
         self.vocab_size = vocab_size or model.cfg.vocab_size
         if not 1 <= self.vocab_size <= model.cfg.vocab_size:
@@ -109,16 +107,8 @@ class Generator:
 
 
 def model_config(meta_model: dict):
-    """The model config a checkpoint's metadata records (dtypes are stored by name): a GPTConfig, or the
-    family's config where the record names one."""
-    if "family" in meta_model:
-        return dataclasses.replace(families.from_record(meta_model), attention=None)  # one device, any platform
-    fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    values = {k: v for k, v in meta_model.items() if k in fields}
-    for k in ("dtype", "param_dtype"):
-        if k in values:  # str() of a dtype ("float32") or of a scalar type ("<class 'jax.numpy.float32'>")
-            values[k] = jnp.dtype(re.findall(r"\w+", values[k])[-1])
-    return dataclasses.replace(GPTConfig(**values), attention=None)  # one device, any platform
+    """The model config a checkpoint's metadata records (its family's; dtypes are stored by name)."""
+    return dataclasses.replace(families.from_record(meta_model), attention=None)  # one device, any platform
 
 
 def load_run(run_dir: str | Path, data_dir: str | Path | None = None):
@@ -182,7 +172,7 @@ def prompt_ids(tokenizer, prompt: str, vocab_size: int, option: str = "--prompt"
     return ids
 
 
-def sample_text(model: GPT, tokenizer, prompt: str, tokens: int, **options) -> str:
+def sample_text(model: nnx.Module, tokenizer, prompt: str, tokens: int, **options) -> str:
     """The prompt followed by `tokens` generated ones, as text (token ids where there is no tokenizer)."""
     ids = prompt_ids(tokenizer, prompt, model.cfg.vocab_size)
     if tokenizer is None:

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.models import families
-from jaxdist.models.gpt import FLAVORS, GPTConfig
+from jaxdist.models.families import FAMILIES
 from jaxdist.train import hf_init, hooks, memory, run_dir
 from jaxdist.train import metrics as metrics_lib
 from jaxdist.train import schedule as schedule_lib
@@ -59,22 +59,39 @@ def init_distributed() -> None:
         jax.distributed.initialize(**initialize_args(os.environ))
 
 
+# the model.* keys that override a flavor's field of the same name, where the family has it
+OVERRIDES = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "seq_len", "vocab_size")
+
+
 def model_config(cfg: TrainConfig):
-    """The model to train: a GPT flavor with the model.* overrides, or what run.init_from=hf:DIR's
-    config.json says (`hf_init.model_of`)."""
+    """The model's config: `model.family`'s `model.flavor`, with the model.* keys that are set; or what
+    run.init_from=hf:DIR's config.json says (`hf_init.model_of`)."""
     if hf_init.directory(cfg.run.init_from) is not None:
         return hf_init.model_of(cfg).config
     m = cfg.model
-    if m.flavor not in FLAVORS:
-        raise ConfigError(f"unknown model.flavor {m.flavor!r}; choose one of {', '.join(FLAVORS)}")
+    if m.family not in FAMILIES:
+        raise ConfigError(f"unknown model.family {m.family!r}; choose one of {', '.join(FAMILIES)}")
+    family = FAMILIES[m.family]
+    if m.flavor not in family.flavors:
+        raise ConfigError(
+            f"unknown model.flavor {m.flavor!r} of model.family={m.family}; choose one of {', '.join(family.flavors)}"
+        )
     if m.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {m.dtype!r}")
-    over = {k: getattr(m, k) for k in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "tie_embeddings")}
-    out = dataclasses.replace(FLAVORS[m.flavor], **{k: v for k, v in over.items() if v is not None})
-    out = dataclasses.replace(out, dtype=jnp.dtype(m.dtype))
+    fields = {f.name for f in dataclasses.fields(family.config)}
+    over = {k: getattr(m, k) for k in (*OVERRIDES, "tie_embeddings", "sliding_window") if getattr(m, k) is not None}
+    if "sliding_window" in over:
+        over["sliding_window"] = over["sliding_window"] or None  # 0: no window
+    for key in over:
+        if key not in fields:
+            raise ConfigError(f"model.{key} is not a setting of model.family={m.family}; leave it unset")
+    try:
+        out = dataclasses.replace(family.flavors[m.flavor], **over, dtype=jnp.dtype(m.dtype))
+    except ValueError as e:  # the family's own check of its sizes
+        raise ConfigError(f"model: {e}") from None
     if m.dtype == "bfloat16" and jax.default_backend() == "gpu":
         out = dataclasses.replace(out, attention="cudnn")  # flash attention
-    if out.d_model % out.n_heads:
+    if m.family == "gpt" and out.d_model % out.n_heads:
         raise ConfigError(f"model.d_model={out.d_model} must be divisible by model.n_heads={out.n_heads}")
     return out
 
@@ -127,15 +144,19 @@ def make_optimizer(cfg: TrainConfig, decay_steps: int | None = None) -> optax.Gr
     return adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=mask), schedule
 
 
-def parallelize(cfg: TrainConfig, mesh, model: nnx.Module, optimizer, batch):
-    """The strategy the `parallel` section asks for, prepared on `model` (of any family: its units, loss and
-    TP plan)."""
+def parallelize(cfg: TrainConfig, mesh, model, optimizer, batch):
+    """The strategy the `parallel` section asks for, prepared on `model` (of any family)."""
     from jaxdist.ddp.run import DDP
     from jaxdist.engine.fsdp import FSDP
     from jaxdist.engine.run import Parallel
 
     p, o = cfg.parallel, cfg.optim
     family = families.family_of(model)
+    if p.tp > 1:
+        try:
+            family.check_tp(model.cfg, p.tp)
+        except ValueError as e:
+            raise ConfigError(f"parallel.tp={p.tp} cannot split this model: model.{e}") from None
     clip = o.max_grad_norm if o.max_grad_norm > 0 else None
     comm_dtype = _comm_dtype(cfg)
     if o.accumulation_steps > 1 and (p.tp > 1 or p.fsdp > 1):
@@ -149,13 +170,13 @@ def parallelize(cfg: TrainConfig, mesh, model: nnx.Module, optimizer, batch):
     if p.pp > 1:
         return _pipelined(cfg, mesh, model, optimizer, batch, clip)
     if p.tp > 1 or (p.fsdp > 1 and not p.update_in_backward):
-        # the unit engine: the GPT's TP plan (tp > 1), then the data axes' storage: ZeRO-3 over fsdp, else
+        # the unit engine: the family's TP plan (tp > 1), then the data axes' storage: ZeRO-3 over fsdp, else
         # ZeRO-1 over dp
         if p.update_in_backward:
             raise ConfigError("parallel.update_in_backward works with FSDP alone (tp=1); set it to false")
         strategy = Parallel(
             mesh,
-            plan=_tp_plan(model, p.tp),
+            plan=family.tp_plan_for(model.cfg) if p.tp > 1 else None,
             zero1=p.zero1,
             sequence_parallel=p.sequence_parallel and p.tp > 1,
             remat=_remat_option(p.remat),
@@ -198,18 +219,6 @@ def parallelize(cfg: TrainConfig, mesh, model: nnx.Module, optimizer, batch):
     return strategy.prepare(model, optimizer, family.loss, batch)
 
 
-def _tp_plan(model: nnx.Module, tp: int):
-    """The model family's TP plan for `tp` ranks (None for tp = 1); a config it cannot split is refused."""
-    if tp == 1:
-        return None
-    family = families.family_of(model)
-    try:
-        family.check_tp(model.cfg, tp)
-    except ValueError as e:
-        raise ConfigError(f"parallel.tp={tp}: {e}") from None
-    return family.tp_plan_for(model.cfg)
-
-
 def _comm_dtype(cfg: TrainConfig) -> np.dtype | None:
     """`parallel.comm_dtype` as the strategies' option: compute is model.dtype (the cast the model makes at
     use, made before the collective instead), param is None (the parameters' own dtype)."""
@@ -222,11 +231,17 @@ def _remat_option(value: bool | str) -> bool | None:
     return None if value == "auto" else value  # other values are refused by `config.validate`
 
 
-def _pipelined(cfg: TrainConfig, mesh, model: nnx.Module, optimizer, batch, clip):
+def _pipelined(cfg: TrainConfig, mesh, model, optimizer, batch, clip):
     """The pipeline over `pp` (the unit engine's storage and TP plan on the other axes)."""
     from jaxdist.pipeline.run import Pipelined
 
     p = cfg.parallel
+    family = families.family_of(model)
+    if family.check_pp is not None:
+        try:
+            family.check_pp(model.cfg)
+        except ValueError as e:
+            raise ConfigError(f"parallel.pp={p.pp} cannot run this model: {e}") from None
     for key, off in (("update_in_backward", False), ("sequence_parallel", False)):
         if getattr(p, key) != off:
             raise ConfigError(f"parallel.{key} does not work with parallel.pp > 1 yet; set it to {str(off).lower()}")
@@ -236,7 +251,7 @@ def _pipelined(cfg: TrainConfig, mesh, model: nnx.Module, optimizer, batch, clip
     try:
         strategy = Pipelined(
             mesh,
-            plan=_tp_plan(model, p.tp),
+            plan=family.tp_plan_for(model.cfg) if p.tp > 1 else None,
             zero1=p.zero1,
             remat=_remat_option(p.remat),
             compute_dtype=comm_dtype,
@@ -246,7 +261,7 @@ def _pipelined(cfg: TrainConfig, mesh, model: nnx.Module, optimizer, batch, clip
             schedule=p.schedule,
             virtual=p.virtual,
         )
-        return strategy.prepare(model, optimizer, families.family_of(model).units, batch)
+        return strategy.prepare(model, optimizer, family.units, batch)
     except ValueError as e:  # the pipeline's own one-line errors name the parallel.* key to change
         raise ConfigError(f"parallel.pp={p.pp}: {e}") from None
 
@@ -261,9 +276,9 @@ def layout_of(cfg: TrainConfig, mesh) -> dict:
     return layout
 
 
-def flops_per_token(m: GPTConfig) -> float:
-    """6 N (matmuls, forward and backward) + 12 L d T (attention scores and values), per token."""
-    return 6 * m.num_params() + 12 * m.n_layers * m.d_model * m.seq_len
+def flops_per_token(m) -> float:
+    """6 N (matmuls, forward and backward) + 12 L (heads x head_dim) T (attention scores and values), per token."""
+    return families.family_of(m).flops_per_token(m)
 
 
 def _host(x) -> np.ndarray:
@@ -328,7 +343,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
         return _train(cfg, stop_after, devices, mesh, mcfg, out_dir)
 
 
-def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTConfig, out_dir: Path) -> list[float]:
+def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_dir: Path) -> list[float]:
     """`train` in the locked run directory `out_dir`."""
     source = hooks.source(cfg, "train", mcfg, out_dir)
     hooks.check_sample_prompt(cfg, mcfg, source)
@@ -341,7 +356,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTCon
             f"{' x accumulation steps' if cfg.optim.accumulation_steps > 1 else ''}; pick a multiple of {n_batch}"
         )
 
-    model_meta = model_record(families.record(mcfg))
+    model_meta = model_record(families.record(mcfg))  # the GPT's without a family, as it always was
     layout = layout_of(cfg, mesh)
     keep, compress = cfg.run.keep_checkpoints, cfg.run.checkpoint_compress
     ckpt = Checkpoints(out_dir, keep, compress=compress) if cfg.run.checkpoint_every >= 0 else None
@@ -383,7 +398,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTCon
     log = MetricsLog(out_dir, cfg.run.tensorboard, start)
     peak = PEAK_FLOPS.get(jax.local_devices()[0].device_kind) if mcfg.dtype == jnp.bfloat16 else None
     tokens_per_step = cfg.data.batch_size * mcfg.seq_len
-    flops_step = families.family_of(mcfg).flops_per_token(mcfg) * tokens_per_step
+    flops_step = flops_per_token(mcfg) * tokens_per_step
     end = cfg.run.steps if stop_after is None else min(cfg.run.steps, start + stop_after)
     bar = _progress(cfg, start, end)
     losses: list[float] = []
