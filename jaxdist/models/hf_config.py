@@ -226,7 +226,7 @@ def write(family: str, cfg, torch_dtype: str) -> dict[str, Any]:
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.seq_len,
-        "rms_norm_eps": cfg.norm_eps,
+        "rms_norm_eps": float(cfg.norm_eps),
         "torch_dtype": torch_dtype,
         "use_cache": True,
     }
@@ -263,8 +263,8 @@ def write(family: str, cfg, torch_dtype: str) -> dict[str, Any]:
             # no window: every layer global (a window the context's length, for transformers' int field)
             "sliding_window": cfg.sliding_window or cfg.seq_len,
             "query_pre_attn_scalar": _number(cfg.query_pre_attn_scalar),
-            "attn_logit_softcapping": cfg.attn_softcap,
-            "final_logit_softcapping": cfg.final_softcap,
+            "attn_logit_softcapping": None if cfg.attn_softcap is None else float(cfg.attn_softcap),
+            "final_logit_softcapping": None if cfg.final_softcap is None else float(cfg.final_softcap),
             "tie_word_embeddings": True,
             "attention_bias": False,
             "layer_types": [_layer_type(i, cfg.global_every if cfg.sliding_window else 1) for i in range(cfg.n_layers)],
