@@ -43,6 +43,7 @@ def llama_config():
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 16,
         },
+        initializer_range=0.1,  # weights large enough that every part moves the logits
         tie_word_embeddings=False,
     )
 
@@ -59,6 +60,7 @@ def qwen3_config():
         max_position_embeddings=64,
         rms_norm_eps=1e-6,
         rope_theta=1000000.0,
+        initializer_range=0.1,  # weights large enough that every part moves the logits
         tie_word_embeddings=True,
     )
 
@@ -81,6 +83,7 @@ def gemma3_config():
         query_pre_attn_scalar=12,
         attn_logit_softcapping=20.0,
         final_logit_softcapping=15.0,
+        initializer_range=0.1,  # weights large enough that every part moves the logits
         tie_word_embeddings=True,
     )
 
