@@ -2,11 +2,10 @@
 
 The fine-tuning page (docs/finetune-hf.md) runs as written, in order, on the tiny checkpoint its first
 block writes (the training shortened to 2 steps, the sample to 3 tokens). A run started from a
-checkpoint whose first step has learning rate 0 (the warmup's) exports, from an FSDP x TP layout,
-exactly the tensors it was started from: loading onto the strategy's layout and exporting from it
-lose nothing and move nothing. The run's model and tokenizer come from the directory; model keys
-that contradict config.json are refused naming both values.
-"""
+checkpoint whose first step has learning rate 0 (the warmup's) exports exactly the tensors it was
+started from (a Qwen 3 under FSDP x TP, a Gemma 3 under FSDP): loading onto the strategy's layout and
+exporting from it lose nothing and move nothing. The run's model and tokenizer come from the
+directory; model keys that contradict config.json are refused naming both values."""
 
 import importlib.util
 import json
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+from support import hf_configs, hf_reference
 
 from jaxdist.models import hf
 from jaxdist.train import cli
@@ -86,9 +86,8 @@ def test_the_fine_tuning_page_runs_end_to_end(page):
     assert any(not np.array_equal(trained[k], start[k]) for k in start)  # it did train
 
 
-def test_a_first_step_of_learning_rate_0_exports_the_weights_it_started_from(page, tmp_path, monkeypatch):
-    start = page / "tiny-qwen3"
-    run = tmp_path / "run"
+def exported_after_one_step(start: Path, tmp_path: Path, layout: list[str], monkeypatch) -> tuple[dict, dict]:
+    """(tensors written by exporting a one-step run from `start`, bytes of each slice read at its start)."""
     reads: dict[str, list[int]] = {}
     read = hf.SafetensorsReader.read
 
@@ -98,24 +97,44 @@ def test_a_first_step_of_learning_rate_0_exports_the_weights_it_started_from(pag
         return data
 
     monkeypatch.setattr(hf.SafetensorsReader, "read", counted)
+    run = tmp_path / "run"
     # one step: the warmup's first learning rate is 0, so nothing changes
-    overrides = [f"run.init_from=hf:{start}", "parallel.fsdp=2", "parallel.tp=2", f"run.out_dir={run}", *SHORT]
-    train(config_lib.load(None, [*overrides, "run.steps=1"]))
+    train(config_lib.load(None, [f"run.init_from=hf:{start}", *layout, f"run.out_dir={run}", *SHORT, "run.steps=1"]))
+    export_hf(run, tmp_path / "out", shard_bytes=20_000)
+    assert len(list((tmp_path / "out").glob("model-*-of-*.safetensors"))) > 1
+    written = {}
+    for file in (tmp_path / "out").glob("*.safetensors"):
+        written.update(load_file(file))
+    return written, reads
+
+
+def test_a_first_step_of_learning_rate_0_exports_the_weights_it_started_from(page, tmp_path, monkeypatch):
+    start = page / "tiny-qwen3"
+    written, reads = exported_after_one_step(start, tmp_path, ["parallel.fsdp=2", "parallel.tp=2"], monkeypatch)
     original = load_file(start / "model.safetensors")
+    assert written.keys() == original.keys()
+    for name, value in original.items():
+        np.testing.assert_array_equal(written[name], value, err_msg=name)
     # onto the canonical shardings: the fsdp x tp split weights are read in quarters, never whole
     for name in ("model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.q_proj.weight"):
         assert max(reads[name]) == original[name].nbytes // 4, (name, reads[name])
     assert sum(max(r) for r in reads.values()) < sum(w.nbytes for w in original.values()) / 2
-    index = json.loads((run / "data" / "index.json").read_text())
+    index = json.loads((tmp_path / "run" / "data" / "index.json").read_text())
     assert index["tokenizer_source"] == str(start / "tokenizer.json")  # data.source=text took the model's tokenizer
-    export_hf(run, tmp_path / "out", shard_bytes=20_000)
-    written = {}
-    for file in (tmp_path / "out").glob("*.safetensors"):
-        written.update(load_file(file))
+
+
+def test_a_gemma3_checkpoint_round_trips_through_fsdp_training(tmp_path, monkeypatch):
+    start = hf_reference.write_checkpoint(
+        tmp_path / "gemma3", hf_configs.GEMMA3, hf_reference.random_weights(hf_configs.GEMMA3)
+    )
+    layout = ["parallel.fsdp=4", "data.source=synthetic"]
+    written, _ = exported_after_one_step(start, tmp_path, layout, monkeypatch)
+    original = load_file(start / "model.safetensors")
     assert written.keys() == original.keys()
     for name, value in original.items():
         np.testing.assert_array_equal(written[name], value, err_msg=name)
-    assert len(list((tmp_path / "out").glob("model-*-of-*.safetensors"))) > 1
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert hf.hf_config.read(config) == hf.hf_config.read(hf_configs.GEMMA3)
 
 
 @pytest.mark.parametrize(
