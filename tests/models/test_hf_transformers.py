@@ -24,6 +24,31 @@ TOLERANCE = 1e-4
 LENGTH = 11  # longer than the sliding windows below
 
 
+# transformers 5 spells RoPE settings as `rope_parameters` (per layer kind for Gemma 3); earlier versions
+# as rope_theta / rope_scaling / rope_local_base_freq
+NEW_ROPE = hasattr(transformers.LlamaConfig(), "rope_parameters")
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+
+def rope(theta: float, scaling: dict | None = None) -> dict:
+    if NEW_ROPE:
+        return {"rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": theta}}
+    return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def gemma_rope(full: float, local: float) -> dict:
+    if NEW_ROPE:
+        kinds = {"full_attention": full, "sliding_attention": local}
+        return {"rope_parameters": {k: {"rope_type": "default", "rope_theta": t} for k, t in kinds.items()}}
+    return {"rope_theta": full, "rope_local_base_freq": local}
+
+
 def llama_config():
     return transformers.LlamaConfig(
         vocab_size=96,
@@ -35,14 +60,7 @@ def llama_config():
         head_dim=8,
         max_position_embeddings=64,
         rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16,
-        },
+        **rope(500000.0, LLAMA3_SCALING),
         initializer_range=0.1,  # weights large enough that every part moves the logits
         tie_word_embeddings=False,
     )
@@ -59,7 +77,7 @@ def qwen3_config():
         head_dim=16,
         max_position_embeddings=64,
         rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
+        **rope(1000000.0),
         initializer_range=0.1,  # weights large enough that every part moves the logits
         tie_word_embeddings=True,
     )
@@ -76,8 +94,7 @@ def gemma3_config():
         head_dim=16,
         max_position_embeddings=64,
         rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        rope_local_base_freq=10000.0,
+        **gemma_rope(1000000.0, 10000.0),
         sliding_window=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         query_pre_attn_scalar=12,
@@ -139,7 +156,8 @@ def test_weights_exported_by_jaxdist_give_its_logits_in_transformers(tmp_path, n
     hf_model(CONFIGS[name]()).save_pretrained(tmp_path / "config")  # only its config.json is used
     loaded = hf.read_config(tmp_path / "config")
     model_cls, _ = hf.family_classes(loaded.family)
-    ours = model_cls(loaded.config, nnx.Rngs(7))
+    with jax.default_device(jax.devices("cpu")[0]):
+        ours = model_cls(loaded.config, nnx.Rngs(7))
     params = nnx.to_pure_dict(nnx.state(ours, nnx.Param))
     rng = np.random.default_rng(1)
 
