@@ -143,7 +143,18 @@ def load_run(run_dir: str | Path, data_dir: str | Path | None = None):
         )
     data_dir = data_dir or trained_on
     tokenizer = load_tokenizer(data_dir) if data_dir else None
+    if tokenizer is None:  # data without one (synthetic): a run from hf:DIR has the model's own
+        tokenizer = _init_tokenizer(meta)
     return model, tokenizer, step
+
+
+def _init_tokenizer(meta: dict):
+    """The tokenizer.json of the Hugging Face directory a run started from (run.init_from=hf:DIR), if any."""
+    from jaxdist.train.data.tokenize import TOKENIZER_FILE, from_file
+
+    init_from = ((meta.get("config") or {}).get("run") or {}).get("init_from", "")
+    path = Path(init_from.removeprefix("hf:")) / TOKENIZER_FILE
+    return from_file(path) if init_from.startswith("hf:") and path.is_file() else None
 
 
 def prompt_ids(tokenizer, prompt: str, vocab_size: int, option: str = "--prompt") -> np.ndarray:

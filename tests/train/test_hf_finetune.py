@@ -174,3 +174,11 @@ def test_shard_sizes_read_as_transformers_writes_them(text, size):
 def test_a_shard_size_that_is_no_size_is_refused():
     with pytest.raises(CheckpointError, match="--shard-size 'big' is not a size"):
         cli._byte_size("big")
+
+
+def test_sample_decodes_a_run_without_a_data_tokenizer_with_the_checkpoints(page):
+    from jaxdist.train.sample import _init_tokenizer
+
+    meta = {"config": {"run": {"init_from": f"hf:{page / 'tiny-qwen3'}"}}}
+    assert _init_tokenizer(meta).vocab_size == 300
+    assert _init_tokenizer({"config": {"run": {"init_from": ""}}}) is None
