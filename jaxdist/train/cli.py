@@ -50,14 +50,16 @@ def _train(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="jaxdist", description="Train GPTs with jaxdist's strategies.")
+    ap = argparse.ArgumentParser(
+        prog="jaxdist", description="Train GPT, Llama and Gemma models with jaxdist's strategies."
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     from jaxdist.train.config import describe
 
     t = sub.add_parser(
         "train",
-        help="train a GPT (see jaxdist/train/configs/*.toml)",
-        description="Train a GPT: defaults, then the TOML file, then section.key=value overrides.",
+        help="train a model (see jaxdist/train/configs/*.toml and docs/models.md)",
+        description="Train a model: defaults, then the TOML file, then section.key=value overrides.",
         epilog="config keys (TOML [section] key = value, or section.key=value), with defaults:\n" + describe(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
