@@ -410,6 +410,24 @@ class Checkpoints:
         finally:
             absl_logger.removeFilter(self._quiet)
 
+    def restore_params_onto(self, step: int, place) -> dict:
+        """Only the parameters saved at `step`, each read straight onto the sharding `place(shape)` returns
+        (every device reads its own slices: for export without the whole model on one device or host)."""
+        path = self.directory / str(step) / "state"
+        absl_logger = logging.getLogger("absl")
+        absl_logger.addFilter(self._quiet)
+        try:
+            with ocp.PyTreeCheckpointer() as reader:
+                saved = reader.metadata(path).item_metadata.tree["params"]
+                target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=place(m.shape)), saved)
+                restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+                args = ocp.args.PyTreeRestore(
+                    item={"params": target}, restore_args={"params": restore_args}, partial_restore=True
+                )
+                return reader.restore(path, args=args)["params"]
+        finally:
+            absl_logger.removeFilter(self._quiet)
+
     @staticmethod
     def _read_params(path: Path) -> dict:
         with ocp.PyTreeCheckpointer() as reader:
@@ -443,7 +461,7 @@ def dtype_name(value) -> str:
 
 
 def model_record(model: dict) -> dict:
-    """A model config (`dataclasses.asdict(GPTConfig)`) as JSON: dtypes by name, so `GPTConfig(**record)` builds it."""
+    """A model config (`jaxdist.models.families.record`) as JSON: dtypes by name, so `from_record` builds it."""
     return {k: dtype_name(v) if k in DTYPE_KEYS and v is not None else v for k, v in model.items()}
 
 

@@ -3,7 +3,8 @@
 jaxdist train [CONFIG.toml] [section.key=value ...]
 jaxdist launch -n N [--cpu-devices D] -- jaxdist train ...
 jaxdist plot RUN_DIR
-jaxdist prepare-data INPUT... --out DIR [--tokenizer bytes|FILE.json | --train-bpe VOCAB]
+jaxdist export RUN_DIR OUT [--format orbax|hf] [--shard-size 5GB] [--dtype bfloat16]
+jaxdist prepare-data INPUT... --out DIR [--tokenizer bytes|FILE.json|hf:DIR | --train-bpe VOCAB]
 jaxdist sample RUN_DIR --prompt TEXT --tokens N [--data DIR]
 """
 
@@ -49,14 +50,16 @@ def _train(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="jaxdist", description="Train GPTs with jaxdist's strategies.")
+    ap = argparse.ArgumentParser(
+        prog="jaxdist", description="Train GPT, Llama and Gemma models with jaxdist's strategies."
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     from jaxdist.train.config import describe
 
     t = sub.add_parser(
         "train",
-        help="train a GPT (see jaxdist/train/configs/*.toml)",
-        description="Train a GPT: defaults, then the TOML file, then section.key=value overrides.",
+        help="train a model (see jaxdist/train/configs/*.toml and docs/models.md)",
+        description="Train a model: defaults, then the TOML file, then section.key=value overrides.",
         epilog="config keys (TOML [section] key = value, or section.key=value), with defaults:\n" + describe(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -74,6 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("run_dir")
     ex.add_argument("out", help="the directory to write (must not exist)")
     ex.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest readable)")
+    ex.add_argument(
+        "--format", choices=("orbax", "hf"), default="orbax", help="orbax (default) or hf: a Hugging Face directory"
+    )
+    ex.add_argument(
+        "--shard-size", default="5GB", help="hf: the most bytes per safetensors file (e.g. 5GB, 500MB; default 5GB)"
+    )
+    ex.add_argument(
+        "--dtype", default=None, help="hf: store the tensors as float32, bfloat16 or float16 (default: as trained)"
+    )
     pl = sub.add_parser(
         "plot", help="draw the loss, throughput, learning rate and gradient norm curves of a run to RUN_DIR/curves.png"
     )
@@ -101,12 +113,37 @@ def _export(args) -> int:
     from jaxdist.train.export import export
 
     try:
-        step, out = export(args.run_dir, args.out, args.step)
+        if args.format == "hf":
+            from jaxdist.train.export import export_hf
+
+            step, out = export_hf(
+                args.run_dir, args.out, args.step, shard_bytes=_byte_size(args.shard_size), dtype=args.dtype
+            )
+        else:
+            step, out = export(args.run_dir, args.out, args.step)
     except CheckpointError as e:
         print(f"jaxdist export: error: {e}", file=sys.stderr)
         return 2
     print(f"{out}: the parameters of step {step} of {args.run_dir}")
     return 0
+
+
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+
+
+def _byte_size(text: str) -> int:
+    """`5GB`, `500MB`, `2GiB` or a plain number of bytes (transformers' max_shard_size spelling)."""
+    from jaxdist.train.checkpoint import CheckpointError
+
+    value = text.strip().upper()
+    unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if value.endswith(u)), "")
+    try:
+        size = float(value[: len(value) - len(unit)]) * _UNITS.get(unit, 1)
+    except ValueError:
+        size = 0
+    if not size >= 1:
+        raise CheckpointError(f"--shard-size {text!r} is not a size; write e.g. 5GB, 500MB or a number of bytes")
+    return int(size)
 
 
 def _prepare_data(args) -> int:
@@ -143,7 +180,11 @@ def _add_data_commands(sub) -> None:
     pr = sub.add_parser("prepare-data", help="tokenize text files into shards for data.source=shards")
     pr.add_argument("inputs", nargs="+", help="UTF-8 text files, each one document")
     pr.add_argument("--out", required=True, help="the directory to write (must not exist or be empty)")
-    pr.add_argument("--tokenizer", default="bytes", help="'bytes' (default) or a Hugging Face tokenizer.json")
+    pr.add_argument(
+        "--tokenizer",
+        default="bytes",
+        help="'bytes' (default), a Hugging Face tokenizer.json, or a model directory holding one (DIR or hf:DIR)",
+    )
     pr.add_argument("--train-bpe", type=int, default=0, metavar="VOCAB", help="learn a byte-level BPE of VOCAB tokens")
     pr.add_argument("--val-fraction", type=float, default=0.1, help="the end share of each file for validation")
     pr.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")

@@ -88,13 +88,22 @@ COUNT = at_least(1)  # sizes and counts: at least one
 
 @dataclasses.dataclass
 class ModelConfig:
-    flavor: str = _key("tiny", "a key of jaxdist.models.gpt.FLAVORS; the keys below override it when set")
+    family: str = _key("gpt", "gpt, llama (Llama 3, Qwen 2 / 3, Mistral) or gemma (Gemma 3); see docs/models.md")
+    flavor: str = _key("tiny", "a named size of the family (its FLAVORS); the keys below override it when set")
     n_layers: int | None = _key(None, "transformer blocks", COUNT)
     d_model: int | None = _key(None, "width", COUNT)
-    n_heads: int | None = _key(None, "attention heads (must divide d_model)", COUNT)
+    n_heads: int | None = _key(None, "attention heads (gpt: must divide d_model)", COUNT)
+    n_kv_heads: int | None = _key(None, "llama, gemma: key/value heads (must divide n_heads)", COUNT)
+    head_dim: int | None = _key(None, "llama, gemma: features per head (even)", COUNT)
+    d_ff: int | None = _key(None, "MLP hidden features (gpt default: 4 x d_model)", COUNT)
     seq_len: int | None = _key(None, "tokens per sequence", COUNT)
     vocab_size: int | None = _key(None, "vocabulary (>= 256 for byte-level text)", COUNT)
-    tie_embeddings: bool | None = _key(None, "share the input embedding with the head")
+    tie_embeddings: bool | None = _key(None, "gpt, llama: share the input embedding with the head (gemma always does)")
+    sliding_window: int | None = _key(
+        None,
+        "llama, gemma: tokens a (gemma: local) layer attends to, itself included",
+        at_least(1, also=((0, "no window: every layer global"),)),
+    )
     dtype: str = _key("float32", "compute dtype: float32 or bfloat16")
 
 
@@ -119,7 +128,7 @@ class ParallelConfig:
         "dtype the collectives move: param (the parameters') or compute (model.dtype: weights gathered and "
         "gradients reduced in it, half the bytes with bfloat16, as XLA's automatic sharding does)",
     )
-    pp: int = _key(1, "pipeline-parallel size (> 1: the GPT's blocks split into pp x virtual stages)", COUNT)
+    pp: int = _key(1, "pipeline-parallel size (> 1: the model's blocks split into pp x virtual stages)", COUNT)
     microbatches: int = _key(4, "pipeline: micro-batches per data rank's batch", COUNT)
     schedule: str = _key("1f1b", "pipeline schedule: 1f1b, gpipe or interleaved")
     virtual: int = _key(1, "pipeline: stages per rank (interleaved schedule)", COUNT)
@@ -175,7 +184,11 @@ class RunConfig:
     keep_checkpoints: int = _key(2, "newest checkpoints kept", COUNT)
     checkpoint_compress: bool = _key(False, "zstd-compress checkpoints (float32 state ~8% smaller, ~2x slower saves)")
     resume: bool = _key(True, "continue from the newest checkpoint in out_dir")
-    init_from: str = _key("", "start a new run from these parameters (the OUT of `jaxdist export`); empty: none")
+    init_from: str = _key(
+        "",
+        "start a new run from these parameters: the OUT of `jaxdist export`, or hf:DIR (a Hugging Face model "
+        "directory: its config.json sets the model); empty: none",
+    )
     overwrite: bool = _key(False, "start over in an out_dir that holds a run, deleting its checkpoints and metrics")
     eval_every: int = _key(0, "validation loss every this many steps and at the end", at_least(0, "0: never"))
     eval_batches: int = _key(4, "validation batches (of data.batch_size) per evaluation", COUNT)

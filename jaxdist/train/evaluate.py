@@ -21,15 +21,18 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.models.gpt import GPT, next_token_loss
+from jaxdist.models.gpt import next_token_loss
 from jaxdist.train.data.shards import Loader, ShardData
 
 
 class Evaluator:
-    def __init__(self, loader: Loader, batches: int):
+    """`evaluator(model) -> mean loss` over the validation batches; `loss_fn(model, batch)` is the model
+    family's next-token loss (default: the GPT's)."""
+
+    def __init__(self, loader: Loader, batches: int, loss_fn=next_token_loss):
         if batches < 1:
             raise ValueError(f"run.eval_batches must be >= 1, got {batches}")
-        self.loader, self.n_batches = loader, batches
+        self.loader, self.n_batches, self.loss_fn = loader, batches, loss_fn
         self.batches: list[tuple[dict, jax.Array]] | None = None  # (batch, row weights), read once, kept on devices
         self.loss = None  # built on first use, for the model's graph
 
@@ -40,7 +43,7 @@ class Evaluator:
         def local_sums(params, batch, weights):
             model = nnx.merge(graphdef, params)
             # each row's loss (the one loss function, a row at a time), so padding rows can weigh 0
-            per_row = jax.vmap(lambda tokens: next_token_loss(model, {"tokens": tokens[None]}))(batch["tokens"])
+            per_row = jax.vmap(lambda tokens: self.loss_fn(model, {"tokens": tokens[None]}))(batch["tokens"])
             return jax.lax.psum(jnp.stack([(per_row * weights).sum(), weights.sum()]), axes)
 
         spec = {"tokens": sharding.spec}
@@ -59,7 +62,7 @@ class Evaluator:
             out.append((next(stream), jax.make_array_from_callback((size,), weights_sharding, lambda i, w=w: w[i])))
         return out
 
-    def __call__(self, model: GPT) -> float:
+    def __call__(self, model: nnx.Module) -> float:
         """The mean loss of `model` over the validation rows (every process gets the same value)."""
         if self.batches is None:
             self.batches = self._read()

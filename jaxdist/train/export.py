@@ -1,7 +1,9 @@
 """`jaxdist export RUN_DIR OUT`: a run's parameters as a plain orbax checkpoint of the model's pure dict.
 
 OUT loads without jaxdist (orbax and Flax only; the README shows how) and is what `run.init_from`
-reads. The model's config goes next to it in OUT/jaxdist_model.json.
+reads. The model's config goes next to it in OUT/jaxdist_model.json. With `--format hf` (`export_hf`)
+a Llama- or Gemma-style run is written as a Hugging Face directory instead (config.json, sharded
+safetensors, the tokenizer), which `transformers` loads and `run.init_from=hf:OUT` reads.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
 
 
 def exported_model(model):
-    """A checkpoint's model record as `GPTConfig(**record)` takes it: dtypes by name, without the choices of the
+    """A checkpoint's model record as `jaxdist.models.families.from_record` (for the GPT, `GPTConfig(**record)`)
+    takes it: dtypes by name, its family named (but the GPT's), without the choices of the
     platform that trained it (flash attention on GPUs), which the loading platform makes again (a record that
     is not a config, as a hand-made checkpoint may hold, as it is)."""
     if not isinstance(model, dict):
@@ -113,3 +116,88 @@ def _check_same_parameters(saved, pure) -> None:
             raise ValueError(f"{name} is not a parameter of the model")
         if have[name] != want[name]:
             raise ValueError(f"{name} has shape {have[name]}, the model's is {want[name]}")
+
+
+def export_hf(
+    run_dir: str | Path,
+    out: str | Path,
+    step: int | None = None,
+    *,
+    shard_bytes: int | None = None,
+    dtype: str | None = None,
+) -> tuple[int, Path]:
+    """Write checkpoint `step` (default: the newest readable) of a Llama- or Gemma-style run as a Hugging
+    Face directory `out` (`jaxdist.models.hf.save`): each parameter read from the checkpoint straight
+    onto the local devices, sharded, then gathered and written one tensor at a time. The run's
+    tokenizer (its data's tokenizer.json, and the companions of a run.init_from=hf:DIR) goes along."""
+    from jaxdist.models import families, hf
+
+    out = Path(out).absolute()
+    if out.exists():
+        raise CheckpointError(f"{out} already exists; pick a new output path or remove it")
+    if not (Path(run_dir) / "checkpoints").is_dir():
+        raise CheckpointError(f"{Path(run_dir).absolute()} holds no checkpoints/; check the run directory")
+    ckpt = Checkpoints(run_dir, keep=1 << 30, read_only=True)
+    try:
+        found = ckpt.newest_readable(
+            lambda s: (ckpt.meta(s), ckpt.restore_params_onto(s, _spread_over_devices)),
+            below=None if step is None else step + 1,
+        )
+        if found is None or (step is not None and found[0] != step):
+            which = "readable checkpoint" if step is None else f"readable checkpoint of step {step}"
+            raise CheckpointError(f"{ckpt.directory} holds no {which}; check the run directory")
+    finally:
+        ckpt.close()
+    step, (meta, params) = found
+    record = meta.get("model") or {}
+    if record.get("family") not in ("llama", "gemma"):
+        raise CheckpointError(
+            f"{run_dir} trained a {record.get('family', 'gpt')} model, which has no Hugging Face architecture; "
+            "--format hf exports Llama- and Gemma-style runs (export it without --format)"
+        )
+    cfg = families.from_record(record)
+    try:
+        hf.save(
+            out,
+            params,
+            record["family"],
+            cfg,
+            dtype=dtype,
+            shard_bytes=shard_bytes or hf.DEFAULT_SHARD_BYTES,
+            extra_files=_tokenizer_files(meta),
+        )
+    except OSError as e:
+        hint = "free some space" if disk_full(e) else "fix the cause"
+        problem = write_problem(e, out.parent)
+        raise CheckpointError(f"could not write {out}: {problem}; {hint} and export again") from None
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    return step, out
+
+
+def _spread_over_devices(shape: tuple[int, ...]) -> jax.sharding.Sharding:
+    """Each parameter split along its first dimension the local devices divide (else kept whole on them)."""
+    devices = jax.local_devices()
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("export",))
+    spec = [None] * len(shape)
+    for axis, n in enumerate(shape):
+        if n % len(devices) == 0:
+            spec[axis] = "export"
+            break
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def _tokenizer_files(meta: dict) -> dict[str, Path]:
+    """The tokenizer files to export: the companions in a run.init_from=hf:DIR, then the tokenizer.json of
+    the data the run trained on (the one its tokens came from)."""
+    from jaxdist.models import hf
+    from jaxdist.train.data.tokenize import TOKENIZER_FILE
+
+    files: dict[str, Path] = {}
+    init_from = ((meta.get("config") or {}).get("run") or {}).get("init_from", "")
+    if init_from.startswith("hf:") and Path(init_from[3:]).is_dir():
+        files.update(hf.tokenizer_files(init_from[3:]))
+    data_dir = (meta.get("data") or {}).get("dir")
+    if data_dir and (Path(data_dir) / TOKENIZER_FILE).is_file():
+        files[TOKENIZER_FILE] = Path(data_dir) / TOKENIZER_FILE
+    return files

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxdist.models.gpt import GPT, GPTConfig
+from jaxdist.models import families
 from jaxdist.train.config import ConfigError, TrainConfig
 from jaxdist.train.data import sources as data_lib
 from jaxdist.train.data.shards import Loader, ShardData, data_changes, load_tokenizer
@@ -25,7 +25,7 @@ from jaxdist.train.report import warn
 __all__ = ["Loader", "source", "evaluator", "check_same_data", "samples_before", "check_sample_prompt", "print_sample"]
 
 
-def source(cfg: TrainConfig, split: str, model: GPTConfig, out_dir: Path):
+def source(cfg: TrainConfig, split: str, model, out_dir: Path):
     """The `split` of the configured data (config problems as one-line ConfigErrors)."""
     if cfg.data.stride < 0:
         raise ConfigError(f"data.stride must be >= 0 (0: seq_len), got {cfg.data.stride}")
@@ -36,15 +36,16 @@ def source(cfg: TrainConfig, split: str, model: GPTConfig, out_dir: Path):
         raise ConfigError(str(e)) from None
 
 
-def evaluator(cfg: TrainConfig, model: GPTConfig, out_dir: Path, sharding) -> Evaluator | None:
-    """The validation-loss evaluator, or None when run.eval_every is 0."""
+def evaluator(cfg: TrainConfig, model, out_dir: Path, sharding) -> Evaluator | None:
+    """The validation-loss evaluator of the model config `model`'s family, or None when run.eval_every is 0."""
     if cfg.run.eval_every < 0:
         raise ConfigError(f"run.eval_every must be >= 0 (0: never), got {cfg.run.eval_every}")
     if cfg.run.eval_every == 0:
         return None
     if cfg.run.eval_batches < 1:
         raise ConfigError(f"run.eval_batches must be >= 1, got {cfg.run.eval_batches}")
-    return Evaluator(Loader(source(cfg, "val", model, out_dir), cfg.data.batch_size, sharding), cfg.run.eval_batches)
+    loader = Loader(source(cfg, "val", model, out_dir), cfg.data.batch_size, sharding)
+    return Evaluator(loader, cfg.run.eval_batches, loss_fn=families.family_of(model).loss)
 
 
 def check_same_data(meta: dict, data) -> None:
@@ -65,7 +66,7 @@ def samples_before(meta: dict | None, step: int, batch_size: int) -> int:
     return step * ((meta.get("config") or {}).get("data") or {}).get("batch_size", batch_size)
 
 
-def check_sample_prompt(cfg: TrainConfig, model: GPTConfig, data) -> None:
+def check_sample_prompt(cfg: TrainConfig, model, data) -> None:
     """Refuse a run.sample_prompt the end-of-run sample could not use now, not after training."""
     if cfg.run.sample_tokens <= 0:
         return
@@ -78,7 +79,7 @@ def check_sample_prompt(cfg: TrainConfig, model: GPTConfig, data) -> None:
         raise ConfigError(str(e)) from None
 
 
-def print_sample(cfg: TrainConfig, model: GPT, data) -> None:
+def print_sample(cfg: TrainConfig, model, data) -> None:
     """Generate run.sample_tokens tokens after run.sample_prompt with `model` and print them (process 0)."""
     from jaxdist.train.sample import sample_text
 

@@ -1,16 +1,15 @@
 """`jaxdist sample RUN_DIR`: text from a run's newest checkpoint, decoded with a KV cache under `jit`.
 
-The checkpoint's full parameters are restored onto one device. The prompt is
-run once through `GPT.decode` (prefill), then each new token costs one
-single-position `decode` against the cached keys and values. When the context
-reaches the model's `seq_len` (its learnt positions end there), the cache is
+The checkpoint's full parameters are restored onto one device, in the model family the checkpoint
+records. The prompt is run once through the model's `decode` (prefill), then each new token costs
+one single-position `decode` against the cached keys and values. When the context reaches the
+model's `seq_len` (the GPT's learnt positions end there, and every family's cache), the cache is
 rebuilt from the newest `seq_len // 2` tokens and decoding continues.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 from functools import partial
 from pathlib import Path
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxdist.models.gpt import GPT, GPTConfig
+from jaxdist.models import families
 
 
 def _prefill(graphdef, state, tokens, length):
@@ -52,7 +51,7 @@ class Generator:
     """Token generation for one model on one device: `generate(prompt_ids, n, ...)`. It draws only ids below
     `vocab_size` (default: the model's; give the tokenizer's when the model's is padded past it)."""
 
-    def __init__(self, model: GPT, vocab_size: int | None = None):
+    def __init__(self, model: nnx.Module, vocab_size: int | None = None):
         self.cfg = model.cfg
         self.vocab_size = vocab_size or model.cfg.vocab_size
         if not 1 <= self.vocab_size <= model.cfg.vocab_size:
@@ -107,14 +106,9 @@ class Generator:
         return logits, cache, len(ids)
 
 
-def model_config(meta_model: dict) -> GPTConfig:
-    """The GPTConfig a checkpoint's metadata records (dtypes are stored by name)."""
-    fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    values = {k: v for k, v in meta_model.items() if k in fields}
-    for k in ("dtype", "param_dtype"):
-        if k in values:  # str() of a dtype ("float32") or of a scalar type ("<class 'jax.numpy.float32'>")
-            values[k] = jnp.dtype(re.findall(r"\w+", values[k])[-1])
-    return dataclasses.replace(GPTConfig(**values), attention=None)  # one device, any platform
+def model_config(meta_model: dict):
+    """The model config a checkpoint's metadata records (its family's; dtypes are stored by name)."""
+    return dataclasses.replace(families.from_record(meta_model), attention=None)  # one device, any platform
 
 
 def load_run(run_dir: str | Path, data_dir: str | Path | None = None):
@@ -132,7 +126,8 @@ def load_run(run_dir: str | Path, data_dir: str | Path | None = None):
         step, meta, saved = read_params(run_dir)
     except CheckpointError as e:
         raise ValueError(str(e)) from None
-    model = GPT(model_config(meta["model"]), nnx.Rngs(0))
+    mcfg = model_config(meta["model"])
+    model = families.family_of(mcfg).model(mcfg, nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(params, saved)  # only the parameters are read
     nnx.update(model, params)
@@ -148,7 +143,18 @@ def load_run(run_dir: str | Path, data_dir: str | Path | None = None):
         )
     data_dir = data_dir or trained_on
     tokenizer = load_tokenizer(data_dir) if data_dir else None
+    if tokenizer is None:  # data without one (synthetic): a run from hf:DIR has the model's own
+        tokenizer = _init_tokenizer(meta)
     return model, tokenizer, step
+
+
+def _init_tokenizer(meta: dict):
+    """The tokenizer.json of the Hugging Face directory a run started from (run.init_from=hf:DIR), if any."""
+    from jaxdist.train.data.tokenize import TOKENIZER_FILE, from_file
+
+    init_from = ((meta.get("config") or {}).get("run") or {}).get("init_from", "")
+    path = Path(init_from.removeprefix("hf:")) / TOKENIZER_FILE
+    return from_file(path) if init_from.startswith("hf:") and path.is_file() else None
 
 
 def prompt_ids(tokenizer, prompt: str, vocab_size: int, option: str = "--prompt") -> np.ndarray:
@@ -177,7 +183,7 @@ def prompt_ids(tokenizer, prompt: str, vocab_size: int, option: str = "--prompt"
     return ids
 
 
-def sample_text(model: GPT, tokenizer, prompt: str, tokens: int, **options) -> str:
+def sample_text(model: nnx.Module, tokenizer, prompt: str, tokens: int, **options) -> str:
     """The prompt followed by `tokens` generated ones, as text (token ids where there is no tokenizer)."""
     ids = prompt_ids(tokenizer, prompt, model.cfg.vocab_size)
     if tokenizer is None:

@@ -1,7 +1,7 @@
 """The trainer: config -> mesh, model, optimizer, strategy, data -> a loop with metrics and checkpoints.
 
 `parallelize` is the one place that turns the `parallel` section into a
-strategy: tp > 1 gives the unit engine with the GPT's TP plan (DP x TP with
+strategy: tp > 1 gives the unit engine with the model family's TP plan (DP x TP with
 ZeRO-1 over dp, or FSDP x TP, HSDP x TP with fsdp > 1), fsdp > 1 alone the
 engine's ZeRO-3 (HSDP with dp > 1; FSDP with parallel.update_in_backward),
 otherwise DDP (ZeRO-1 unless parallel.zero1=false).
@@ -25,8 +25,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.models.gpt import FLAVORS, GPT, UNITS, GPTConfig, embed_inputs, head_loss, next_token_loss, tp_plan_for
-from jaxdist.train import hooks, memory, run_dir
+from jaxdist.models import families
+from jaxdist.models.families import FAMILIES
+from jaxdist.train import hf_init, hooks, memory, run_dir
 from jaxdist.train import metrics as metrics_lib
 from jaxdist.train import schedule as schedule_lib
 from jaxdist.train.checkpoint import CheckpointError, Checkpoints, check_same_model, model_record
@@ -58,18 +59,39 @@ def init_distributed() -> None:
         jax.distributed.initialize(**initialize_args(os.environ))
 
 
-def model_config(cfg: TrainConfig) -> GPTConfig:
+# the model.* keys that override a flavor's field of the same name, where the family has it
+OVERRIDES = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "seq_len", "vocab_size")
+
+
+def model_config(cfg: TrainConfig):
+    """The model's config: `model.family`'s `model.flavor`, with the model.* keys that are set; or what
+    run.init_from=hf:DIR's config.json says (`hf_init.model_of`)."""
+    if hf_init.directory(cfg.run.init_from) is not None:
+        return hf_init.model_of(cfg).config
     m = cfg.model
-    if m.flavor not in FLAVORS:
-        raise ConfigError(f"unknown model.flavor {m.flavor!r}; choose one of {', '.join(FLAVORS)}")
+    if m.family not in FAMILIES:
+        raise ConfigError(f"unknown model.family {m.family!r}; choose one of {', '.join(FAMILIES)}")
+    family = FAMILIES[m.family]
+    if m.flavor not in family.flavors:
+        raise ConfigError(
+            f"unknown model.flavor {m.flavor!r} of model.family={m.family}; choose one of {', '.join(family.flavors)}"
+        )
     if m.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {m.dtype!r}")
-    over = {k: getattr(m, k) for k in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "tie_embeddings")}
-    out = dataclasses.replace(FLAVORS[m.flavor], **{k: v for k, v in over.items() if v is not None})
-    out = dataclasses.replace(out, dtype=jnp.dtype(m.dtype))
+    fields = {f.name for f in dataclasses.fields(family.config)}
+    over = {k: getattr(m, k) for k in (*OVERRIDES, "tie_embeddings", "sliding_window") if getattr(m, k) is not None}
+    if "sliding_window" in over:
+        over["sliding_window"] = over["sliding_window"] or None  # 0: no window
+    for key in over:
+        if key not in fields:
+            raise ConfigError(f"model.{key} is not a setting of model.family={m.family}; leave it unset")
+    try:
+        out = dataclasses.replace(family.flavors[m.flavor], **over, dtype=jnp.dtype(m.dtype))
+    except ValueError as e:  # the family's own check of its sizes
+        raise ConfigError(f"model: {e}") from None
     if m.dtype == "bfloat16" and jax.default_backend() == "gpu":
         out = dataclasses.replace(out, attention="cudnn")  # flash attention
-    if out.d_model % out.n_heads:
+    if m.family == "gpt" and out.d_model % out.n_heads:
         raise ConfigError(f"model.d_model={out.d_model} must be divisible by model.n_heads={out.n_heads}")
     return out
 
@@ -122,13 +144,19 @@ def make_optimizer(cfg: TrainConfig, decay_steps: int | None = None) -> optax.Gr
     return adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=mask), schedule
 
 
-def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
-    """The strategy the `parallel` section asks for, prepared on `model`."""
+def parallelize(cfg: TrainConfig, mesh, model, optimizer, batch):
+    """The strategy the `parallel` section asks for, prepared on `model` (of any family)."""
     from jaxdist.ddp.run import DDP
-    from jaxdist.engine.fsdp import FSDP, Units
+    from jaxdist.engine.fsdp import FSDP
     from jaxdist.engine.run import Parallel
 
     p, o = cfg.parallel, cfg.optim
+    family = families.family_of(model)
+    if p.tp > 1:
+        try:
+            family.check_tp(model.cfg, p.tp)
+        except ValueError as e:
+            raise ConfigError(f"parallel.tp={p.tp} cannot split this model: model.{e}") from None
     clip = o.max_grad_norm if o.max_grad_norm > 0 else None
     comm_dtype = _comm_dtype(cfg)
     if o.accumulation_steps > 1 and (p.tp > 1 or p.fsdp > 1):
@@ -142,13 +170,13 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
     if p.pp > 1:
         return _pipelined(cfg, mesh, model, optimizer, batch, clip)
     if p.tp > 1 or (p.fsdp > 1 and not p.update_in_backward):
-        # the unit engine: the GPT's TP plan (tp > 1), then the data axes' storage: ZeRO-3 over fsdp, else
+        # the unit engine: the family's TP plan (tp > 1), then the data axes' storage: ZeRO-3 over fsdp, else
         # ZeRO-1 over dp
         if p.update_in_backward:
             raise ConfigError("parallel.update_in_backward works with FSDP alone (tp=1); set it to false")
         strategy = Parallel(
             mesh,
-            plan=tp_plan_for(model.cfg) if p.tp > 1 else None,
+            plan=family.tp_plan_for(model.cfg) if p.tp > 1 else None,
             zero1=p.zero1,
             sequence_parallel=p.sequence_parallel and p.tp > 1,
             remat=_remat_option(p.remat),
@@ -158,7 +186,7 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
             max_grad_norm=clip,
             backend=p.backend,
         )
-        return strategy.prepare(model, optimizer, UNITS, batch)
+        return strategy.prepare(model, optimizer, family.units, batch)
     if p.fsdp > 1:
         dp_axis = "dp" if mesh.shape["dp"] > 1 else None
         strategy = FSDP(
@@ -173,7 +201,7 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
             skip_nonfinite=not p.update_in_backward,
             backend=p.backend,
         )
-        return strategy.prepare(model, optimizer, Units(embed_inputs, head_loss), batch)
+        return strategy.prepare(model, optimizer, family.units, batch)
     if p.remat is True:  # DDP differentiates the whole loss: it has no blocks to recompute
         raise ConfigError(
             "parallel.remat=true recomputes blocks in FSDP, TP and the pipeline (parallel.fsdp, tp or pp > 1); "
@@ -188,7 +216,7 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
         max_grad_norm=clip,
         backend=p.backend,
     )
-    return strategy.prepare(model, optimizer, next_token_loss, batch)
+    return strategy.prepare(model, optimizer, family.loss, batch)
 
 
 def _comm_dtype(cfg: TrainConfig) -> np.dtype | None:
@@ -203,11 +231,17 @@ def _remat_option(value: bool | str) -> bool | None:
     return None if value == "auto" else value  # other values are refused by `config.validate`
 
 
-def _pipelined(cfg: TrainConfig, mesh, model: GPT, optimizer, batch, clip):
+def _pipelined(cfg: TrainConfig, mesh, model, optimizer, batch, clip):
     """The pipeline over `pp` (the unit engine's storage and TP plan on the other axes)."""
     from jaxdist.pipeline.run import Pipelined
 
     p = cfg.parallel
+    family = families.family_of(model)
+    if family.check_pp is not None:
+        try:
+            family.check_pp(model.cfg)
+        except ValueError as e:
+            raise ConfigError(f"parallel.pp={p.pp} cannot run this model: {e}") from None
     for key, off in (("update_in_backward", False), ("sequence_parallel", False)):
         if getattr(p, key) != off:
             raise ConfigError(f"parallel.{key} does not work with parallel.pp > 1 yet; set it to {str(off).lower()}")
@@ -217,7 +251,7 @@ def _pipelined(cfg: TrainConfig, mesh, model: GPT, optimizer, batch, clip):
     try:
         strategy = Pipelined(
             mesh,
-            plan=tp_plan_for(model.cfg) if p.tp > 1 else None,
+            plan=family.tp_plan_for(model.cfg) if p.tp > 1 else None,
             zero1=p.zero1,
             remat=_remat_option(p.remat),
             compute_dtype=comm_dtype,
@@ -227,7 +261,7 @@ def _pipelined(cfg: TrainConfig, mesh, model: GPT, optimizer, batch, clip):
             schedule=p.schedule,
             virtual=p.virtual,
         )
-        return strategy.prepare(model, optimizer, UNITS, batch)
+        return strategy.prepare(model, optimizer, family.units, batch)
     except ValueError as e:  # the pipeline's own one-line errors name the parallel.* key to change
         raise ConfigError(f"parallel.pp={p.pp}: {e}") from None
 
@@ -242,9 +276,9 @@ def layout_of(cfg: TrainConfig, mesh) -> dict:
     return layout
 
 
-def flops_per_token(m: GPTConfig) -> float:
-    """6 N (matmuls, forward and backward) + 12 L d T (attention scores and values), per token."""
-    return 6 * m.num_params() + 12 * m.n_layers * m.d_model * m.seq_len
+def flops_per_token(m) -> float:
+    """6 N (matmuls, forward and backward) + 12 L (heads x head_dim) T (attention scores and values), per token."""
+    return families.family_of(m).flops_per_token(m)
 
 
 def _host(x) -> np.ndarray:
@@ -299,6 +333,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     would), saving a checkpoint: used to test resuming.
     """
     validate(cfg)
+    hf_init.use_tokenizer(cfg)  # run.init_from=hf:DIR: its tokenizer.json tokenizes text data
     init_distributed()
     devices = jax.devices()
     check_backend(cfg, devices)
@@ -308,7 +343,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
         return _train(cfg, stop_after, devices, mesh, mcfg, out_dir)
 
 
-def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTConfig, out_dir: Path) -> list[float]:
+def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_dir: Path) -> list[float]:
     """`train` in the locked run directory `out_dir`."""
     source = hooks.source(cfg, "train", mcfg, out_dir)
     hooks.check_sample_prompt(cfg, mcfg, source)
@@ -321,7 +356,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTCon
             f"{' x accumulation steps' if cfg.optim.accumulation_steps > 1 else ''}; pick a multiple of {n_batch}"
         )
 
-    model_meta = model_record(dataclasses.asdict(mcfg))
+    model_meta = model_record(families.record(mcfg))  # the GPT's without a family, as it always was
     layout = layout_of(cfg, mesh)
     keep, compress = cfg.run.keep_checkpoints, cfg.run.checkpoint_compress
     ckpt = Checkpoints(out_dir, keep, compress=compress) if cfg.run.checkpoint_every >= 0 else None
@@ -332,8 +367,9 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTCon
         start, meta = found
         hooks.check_same_data(meta, source)
 
-    model = GPT(mcfg, nnx.Rngs(cfg.run.seed))
-    if cfg.run.init_from and found is None:  # a resumed run reads its own checkpoint instead, below
+    model = families.family_of(mcfg).model(mcfg, nnx.Rngs(cfg.run.seed))
+    from_hf = hf_init.directory(cfg.run.init_from) is not None and found is None
+    if cfg.run.init_from and found is None and not from_hf:  # a resumed run reads its own checkpoint, below
         from jaxdist.train.export import load_params
 
         nnx.update(model, load_params(cfg.run.init_from, nnx.state(model, nnx.Param)))
@@ -345,7 +381,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg: GPTCon
     decay_steps = schedule_lib.decay_steps(cfg, meta, start)
     optimizer, schedule = make_optimizer(cfg, decay_steps)
     run = parallelize(cfg, mesh, model, optimizer, example)
-    state = run.state
+    state = hf_init.load_state(run, optimizer, mcfg, cfg.run.init_from) if from_hf else run.state
     if found is not None:
         start, (state, meta) = _restore_state(ckpt, start, run, model_meta)
         saved_in = meta.get("layout")

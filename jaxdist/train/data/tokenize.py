@@ -63,10 +63,13 @@ class JSONTokenizer:
 
 
 def from_file(path: str | Path) -> JSONTokenizer:
-    """The Hugging Face tokenizer JSON file at `path` (one-line errors for a missing or invalid file)."""
+    """The Hugging Face tokenizer JSON file at `path`, or the tokenizer.json of a Hugging Face model
+    directory (`DIR` or `hf:DIR`); one-line errors for a missing or invalid file."""
     from tokenizers import Tokenizer
 
-    path = Path(path)
+    path = Path(str(path).removeprefix("hf:"))
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
     if not path.is_file():
         raise ValueError(f"tokenizer file {path} does not exist; give a Hugging Face tokenizer.json, or 'bytes'")
     try:
