@@ -49,10 +49,10 @@ def rope_frequencies(head_dim: int, theta: float, scaling: Mapping | None = None
     if head_dim % 2:
         raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
     inv = (1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim)).astype(np.float32)
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type", "llama3"))
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type", "llama3"))
+    if kind not in (None, "default"):
         if kind != "llama3":
-            raise ValueError(f"rope_scaling of type {kind!r} is not supported; only Llama 3's 'llama3' is")
+            raise ValueError(f"rope_scaling of type {kind!r} is not supported; give Llama 3's 'llama3' or None")
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
         old = float(scaling["original_max_position_embeddings"])

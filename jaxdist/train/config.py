@@ -88,8 +88,7 @@ COUNT = at_least(1)  # sizes and counts: at least one
 
 @dataclasses.dataclass
 class ModelConfig:
-    family: str = _key("gpt", "gpt, llama (Llama 3, Qwen 2 / 3, Mistral) or gemma (Gemma 3); see docs/models.md")
-    flavor: str = _key("tiny", "a named size of the family (its FLAVORS); the keys below override it when set")
+    flavor: str = _key("tiny", "a named size of model.family (its FLAVORS); the size keys below override it when set")
     n_layers: int | None = _key(None, "transformer blocks", COUNT)
     d_model: int | None = _key(None, "width", COUNT)
     n_heads: int | None = _key(None, "attention heads (gpt: must divide d_model)", COUNT)
@@ -102,9 +101,10 @@ class ModelConfig:
     sliding_window: int | None = _key(
         None,
         "llama, gemma: tokens a (gemma: local) layer attends to, itself included",
-        at_least(1, also=((0, "no window: every layer global"),)),
+        at_least(1, also=((0, "no window; gemma: every layer global"),)),
     )
     dtype: str = _key("float32", "compute dtype: float32 or bfloat16")
+    family: str = _key("gpt", "gpt, llama (Llama 3, Qwen 2 / 3, Mistral) or gemma (Gemma 3); see docs/models.md")
 
 
 @dataclasses.dataclass
