@@ -5,6 +5,7 @@ plain optax under `jit` does."""
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -118,3 +119,31 @@ def test_one_device_step_holds_the_plain_steps_memory(zero1):
     run = one_device_ddp(optimizer, batch, zero1=zero1)
     held = step_bytes(run.step.lower(run.state, batch).compile())
     assert held <= plain * (1 + MEMORY_MARGIN), f"{held} bytes against the plain step's {plain}"
+
+
+def masked_sum_and_count(model, batch):
+    """The cross-entropy summed over the targets not divisible by 3, and their count: a count that
+    differs between micro-batches."""
+    labels = batch["tokens"][:, 1:]
+    losses = optax.softmax_cross_entropy_with_integer_labels(model(batch["tokens"][:, :-1]).astype("float32"), labels)
+    keep = labels % 3 != 0
+    return jnp.sum(jnp.where(keep, losses, 0.0)), jnp.sum(keep)
+
+
+def test_one_device_sum_and_count_with_accumulation_is_the_mean_over_real_tokens():
+    def masked_mean(model, batch):
+        total, count = masked_sum_and_count(model, batch)
+        return total / count
+
+    want = plain_sgd(GPT(CFG, nnx.Rngs(0)), masked_mean, batches(STEPS), LR)
+    run = DDP(cpu_mesh((1,), ("dp",)), zero1=True, accumulation_steps=2, sum_and_count=True).prepare(
+        GPT(CFG, nnx.Rngs(0)), optax.sgd(LR), masked_sum_and_count, batches(1)[0]
+    )
+    state, losses, norms = run.state, [], []
+    for batch in batches(STEPS):
+        state, metrics = run.step(state, batch)
+        losses.append(float(metrics["loss"]))
+        norms.append(float(metrics["grad_norm"]))
+    np.testing.assert_allclose(losses, want[0], rtol=1e-5)
+    np.testing.assert_allclose(norms, want[1], rtol=1e-4)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), pure(run.params(state)), want[2])
