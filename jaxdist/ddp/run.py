@@ -27,6 +27,10 @@ starts right after the equation that finishes its last gradient and is waited
 one bucket later; a parameter is read only as the output of the `wait` that
 finished its bucket's gather. Everything is ordered on one token chain, so the
 order shows in the compiled HLO.
+
+Over an axis of size 1 (one device) nothing moves, and the step is the plain one: value_and_grad of
+the loss and the optimizer, without buckets, copies into them or collectives (the same results and
+the same state layout, so checkpoints are those of the bucketed step).
 """
 
 from __future__ import annotations
