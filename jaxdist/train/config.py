@@ -95,6 +95,9 @@ class ModelConfig:
     seq_len: int | None = _key(None, "tokens per sequence", COUNT)
     vocab_size: int | None = _key(None, "vocabulary (>= 256 for byte-level text)", COUNT)
     tie_embeddings: bool | None = _key(None, "share the input embedding with the head")
+    loss_chunk: int | None = _key(
+        None, "tokens per chunk of the head's cross-entropy: the batch's float32 logits never exist at once", COUNT
+    )
     dtype: str = _key("float32", "compute dtype: float32 or bfloat16")
 
 

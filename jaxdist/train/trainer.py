@@ -64,11 +64,17 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
         raise ConfigError(f"unknown model.flavor {m.flavor!r}; choose one of {', '.join(FLAVORS)}")
     if m.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {m.dtype!r}")
-    over = {k: getattr(m, k) for k in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "tie_embeddings")}
+    keys = ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "tie_embeddings", "loss_chunk")
+    over = {k: getattr(m, k) for k in keys}
     out = dataclasses.replace(FLAVORS[m.flavor], **{k: v for k, v in over.items() if v is not None})
     out = dataclasses.replace(out, dtype=jnp.dtype(m.dtype))
     if m.dtype == "bfloat16" and jax.default_backend() == "gpu":
         out = dataclasses.replace(out, attention="cudnn")  # flash attention
+    if m.loss_chunk is not None and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+        raise ConfigError(
+            "model.loss_chunk works with parallel.tp=1 and pp=1 (under TP the vocabulary-parallel loss never "
+            "gathers the logits already); unset model.loss_chunk"
+        )
     if out.d_model % out.n_heads:
         raise ConfigError(f"model.d_model={out.d_model} must be divisible by model.n_heads={out.n_heads}")
     return out
