@@ -115,6 +115,11 @@ class ModelState:
             out.append(new)
         return self.pure_treedef.unflatten(out), token
 
+    def after_local_step(self, before: dict, after: dict) -> dict:
+        """`after_step` over data axes of size 1, without collectives: a mean over one rank is its value."""
+        leaves = zip(jax.tree.leaves(before), jax.tree.leaves(after), self.key_impls, strict=True)
+        return self.pure_treedef.unflatten([old if impl is not None else new for old, new, impl in leaves])
+
     def apply(self, graphdef: nnx.GraphDef, params, stored: dict, fn: Callable[[nnx.Module], Any], fixed=None):
         """`fn(model)` on the model merged inside the current trace; returns `(out, stored after fn)`.
 

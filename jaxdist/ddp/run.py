@@ -27,6 +27,10 @@ starts right after the equation that finishes its last gradient and is waited
 one bucket later; a parameter is read only as the output of the `wait` that
 finished its bucket's gather. Everything is ordered on one token chain, so the
 order shows in the compiled HLO.
+
+Over an axis of size 1 (one device) nothing moves, and the step is the plain one: value_and_grad of
+the loss and the optimizer, without buckets, copies into them or collectives (the same results and
+the same state layout, so checkpoints are those of the bucketed step).
 """
 
 from __future__ import annotations
@@ -347,19 +351,24 @@ class DDPRun:
 
     def _step(self, state: TrainState, batch):
         """The gradients of each rank's batch, reduced bucket by bucket inside shard_map (each rank
-        gets its chunk of every sharded parameter's gradient); then the optimizer in global view."""
+        gets its chunk of every sharded parameter's gradient); then the optimizer in global view.
+        Over an axis of size 1 nothing moves: the gradients come from the plain step (`_plain_grads`),
+        without buckets, copies into them or collectives."""
         cfg = self.cfg
         batch = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self._sharding(self.batch_spec)), batch)
-        specs = self._leaf_specs
-        body = jax.shard_map(
-            self._local_grads,
-            mesh=self.mesh,
-            in_specs=(specs, P(), P(), self.batch_spec),
-            out_specs=(specs, P(), P(), P()),
-            check_vma=False,
-        )
         leaves = self.treedef.flatten_up_to(state.params)
-        grads, model_state, loss, count = body(leaves, state.model_state, state.step, batch)
+        if cfg.dp == 1:
+            grads, model_state, loss, count = self._plain_grads(leaves, state.model_state, state.step, batch)
+        else:
+            specs = self._leaf_specs
+            body = jax.shard_map(
+                self._local_grads,
+                mesh=self.mesh,
+                in_specs=(specs, P(), P(), self.batch_spec),
+                out_specs=(specs, P(), P(), P()),
+                check_vma=False,
+            )
+            grads, model_state, loss, count = body(leaves, state.model_state, state.step, batch)
         grads = self.treedef.unflatten(grads)
         if cfg.sum_and_count:  # from the mean over ranks and micro-batches of sums to the sum over the count
             scale = cfg.dp * cfg.accumulation_steps / count
@@ -378,6 +387,43 @@ class DDPRun:
         opt_state = jax.lax.with_sharding_constraint(opt_state, self.state_shardings.opt_state)
         new = TrainState(params, opt_state, state.step + 1, model_state)
         return new, {"loss": loss, "grad_norm": norm, "skipped": skipped}
+
+    def _wide_dtype(self, dtype):
+        """Where micro-batch gradients are summed: the wider of the parameter's and the reduction's dtype
+        (float32 for bfloat16 parameters; a bfloat16 sum would lose what reducing in float32 keeps)."""
+        return jnp.promote_types(dtype, self.cfg.reduce_dtype or dtype)
+
+    @model_sharding_dropped()
+    def _plain_grads(self, params: list, model_state, step, batch):
+        """`_local_grads` of the only rank (an axis of size 1), as the plain step computes it: the
+        gradients in the reduction's dtype, the loss the mean over micro-batches, the count their total.
+        A mean over one rank is the value itself, so the result equals the bucketed step's."""
+        cfg = self.cfg
+        a = cfg.accumulation_steps
+        stored = self.model_state.for_step(model_state, jnp.zeros((), jnp.int32), step)
+        micro = jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), batch)
+        grad_fn = self._grad_fn()
+        last = jax.tree.map(lambda x: x[-1], micro)
+        loss_sum = count_sum = jnp.zeros((), jnp.float32)
+        if a > 1:
+
+            def accumulate(carry, mb):
+                loss_sum, count_sum, acc, stored = carry
+                (loss, (stored, count)), grads = grad_fn(params, stored, mb)
+                acc = [g + d for g, d in zip(acc, grads, strict=True)]
+                return (loss_sum + loss, count_sum + count, acc, stored), None
+
+            zeros = [jnp.zeros(x.shape, self._wide_dtype(x.dtype)) for x in self.param_avals]
+            first = jax.tree.map(lambda x: x[:-1], micro)
+            carry = (loss_sum, count_sum, zeros, stored)
+            (loss_sum, count_sum, acc, stored), _ = jax.lax.scan(accumulate, carry, first)
+        (loss, (stored, count)), grads = grad_fn(params, stored, last)
+        if a > 1:
+            grads = [(g + s) / np.asarray(a, g.dtype) for g, s in zip(grads, acc, strict=True)]
+        grads = [g.astype(cfg.reduce_dtype or p.dtype) for g, p in zip(grads, self.param_avals, strict=True)]
+        loss = (loss_sum + loss.astype(jnp.float32)) / a
+        new_model_state = self.model_state.after_local_step(model_state, stored)
+        return grads, new_model_state, loss, count_sum + count
 
     @model_sharding_dropped()
     def _local_grads(self, params: list, model_state, step, batch):
@@ -417,10 +463,7 @@ class DDPRun:
                 acc = [g + d for g, d in zip(acc, grads, strict=True)]
                 return (loss_sum + loss, count_sum + count, acc, stored), None
 
-            # summed in the reduction's dtype where it is the wider (float32 for bfloat16 parameters): a
-            # bfloat16 sum of micro-batches would lose what reducing in float32 keeps
-            wide = lambda dtype: jnp.promote_types(dtype, cfg.reduce_dtype or dtype)
-            zeros = [jnp.zeros(x.shape, wide(x.dtype)) for x in self.param_avals]
+            zeros = [jnp.zeros(x.shape, self._wide_dtype(x.dtype)) for x in self.param_avals]
             first = jax.tree.map(lambda x: x[:-1], micro)
             carry = (loss_sum, count_sum, zeros, stored)
             (loss_sum, count_sum, acc, stored), _ = jax.lax.scan(accumulate, carry, first)

@@ -34,6 +34,9 @@ class GPTConfig:
     # jax.nn.dot_product_attention's implementation: None (XLA's choice), "xla" or "cudnn"
     # (flash attention on NVIDIA GPUs; needs bfloat16/float16)
     attention: str | None = None
+    # head_loss's cross-entropy this many tokens at a time, each chunk's logits recomputed in backward:
+    # the float32 logits of the whole batch ([batch, seq_len, vocab]) never exist (None: all at once)
+    loss_chunk: int | None = None
 
     @property
     def ff(self) -> int:
@@ -153,9 +156,40 @@ def embed_inputs(model: GPT, batch: dict) -> jax.Array:
 
 
 def head_loss(model: GPT, x: jax.Array, batch: dict) -> jax.Array:
-    """The last unit: mean cross-entropy of predicting `batch["tokens"][:, 1:]` (float32 math)."""
+    """The last unit: mean cross-entropy of predicting `batch["tokens"][:, 1:]` (float32 math), in
+    chunks of `cfg.loss_chunk` tokens where set."""
+    labels = batch["tokens"][:, 1:]
+    chunk = getattr(getattr(model, "cfg", None), "loss_chunk", None)
+    if chunk is not None:
+        return chunked_cross_entropy(model.logits, x, labels, chunk)
     # tp_plan.cross_entropy: optax's on one device; under the TP plan each rank's vocabulary slice
-    return tp_plan.cross_entropy(model.logits(x), batch["tokens"][:, 1:]).mean()
+    return tp_plan.cross_entropy(model.logits(x), labels).mean()
+
+
+def chunked_cross_entropy(logits_fn, x: jax.Array, labels: jax.Array, chunk: int) -> jax.Array:
+    """The mean cross-entropy of `logits_fn(x)` against `labels`, `chunk` tokens at a time.
+
+    A scan over chunks of the flattened tokens (the last one padded and masked) whose body is
+    rematerialized: backward keeps each chunk's input, not its logits, so at most one chunk's
+    float32 logits are live, forward and backward.
+    """
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"GPT: loss_chunk must be a positive int (tokens per chunk) or None, got {chunk!r}")
+    n = labels.size
+    pad = -n % chunk
+    xs = jnp.pad(x.reshape(n, x.shape[-1]), ((0, pad), (0, 0))).reshape(-1, chunk, x.shape[-1])
+    ys = jnp.pad(labels.reshape(n), (0, pad)).reshape(-1, chunk)
+    real = (jnp.arange(n + pad) < n).reshape(-1, chunk)
+
+    @jax.checkpoint
+    def chunk_sum(x, y, keep):
+        return jnp.sum(jnp.where(keep, tp_plan.cross_entropy(logits_fn(x), y), 0.0))
+
+    def add(total, piece):
+        return total + chunk_sum(*piece), None
+
+    total, _ = jax.lax.scan(add, jnp.zeros((), jnp.float32), (xs, ys, real))
+    return total / n
 
 
 def next_token_loss(model: GPT, batch: dict) -> jax.Array:

@@ -103,6 +103,9 @@ class ModelConfig:
         "llama, gemma: tokens a (gemma: local) layer attends to, itself included",
         at_least(1, also=((0, "no window; gemma: every layer global"),)),
     )
+    loss_chunk: int | None = _key(
+        None, "gpt: tokens per chunk of the head's cross-entropy: the batch's float32 logits never exist at once", COUNT
+    )
     dtype: str = _key("float32", "compute dtype: float32 or bfloat16")
     family: str = _key("gpt", "gpt, llama (Llama 3, Qwen 2 / 3, Mistral) or gemma (Gemma 3); see docs/models.md")
 

@@ -79,7 +79,7 @@ def model_config(cfg: TrainConfig):
     if m.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {m.dtype!r}")
     fields = {f.name for f in dataclasses.fields(family.config)}
-    over = {k: getattr(m, k) for k in (*OVERRIDES, "tie_embeddings", "sliding_window") if getattr(m, k) is not None}
+    over = {k: getattr(m, k) for k in (*OVERRIDES, "tie_embeddings", "sliding_window", "loss_chunk") if getattr(m, k) is not None}
     if "sliding_window" in over:
         over["sliding_window"] = over["sliding_window"] or None  # 0: no window
     for key in over:
@@ -91,6 +91,11 @@ def model_config(cfg: TrainConfig):
         raise ConfigError(f"model: {e}") from None
     if m.dtype == "bfloat16" and jax.default_backend() == "gpu":
         out = dataclasses.replace(out, attention="cudnn")  # flash attention
+    if m.loss_chunk is not None and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+        raise ConfigError(
+            "model.loss_chunk works with parallel.tp=1 and pp=1 (under TP the vocabulary-parallel loss never "
+            "gathers the logits already); unset model.loss_chunk"
+        )
     if m.family == "gpt" and out.d_model % out.n_heads:
         raise ConfigError(f"model.d_model={out.d_model} must be divisible by model.n_heads={out.n_heads}")
     return out

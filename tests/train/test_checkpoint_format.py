@@ -1,0 +1,51 @@
+"""Checkpoints written in orbax's default form (zarr v2 arrays, as jaxdist wrote before its saves took zarr v3
+arrays in 64 MiB data files) restore, and the new form round-trips, values and dtypes exact."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from jaxdist.train.checkpoint import Checkpoints
+
+
+def tree():
+    rng = np.random.default_rng(0)
+    return {
+        "params": {"w": jnp.asarray(rng.normal(size=(64, 8)), jnp.float32), "b": jnp.arange(5, dtype=jnp.bfloat16)},
+        "step": jnp.asarray(7, jnp.int32),
+    }
+
+
+def target(values):
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), values)
+
+
+def save_in_orbax_default_form(directory, values):
+    handlers = {"state": ocp.PyTreeCheckpointHandler(use_compression=False), "meta": ocp.JsonCheckpointHandler()}
+    with ocp.CheckpointManager(directory / "checkpoints", item_handlers=handlers) as manager:
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(values), meta=ocp.args.JsonSave({"step": 3}))
+        manager.save(3, args=args)
+        manager.wait_until_finished()
+
+
+@pytest.mark.parametrize("form", ["orbax-default", "jaxdist"])
+def test_checkpoint_restores_exactly_in_either_form(tmp_path, form):
+    values = tree()
+    ckpt = Checkpoints(tmp_path, keep=2) if form == "jaxdist" else None
+    if ckpt is None:
+        save_in_orbax_default_form(tmp_path, values)
+        ckpt = Checkpoints(tmp_path, keep=2)
+    else:
+        ckpt.save(3, values, {"step": 3})
+        ckpt.wait()
+    try:
+        step, restored = ckpt.newest_readable(lambda s: ckpt.restore(s, target(values)))
+        assert step == 3 and ckpt.meta(3)["step"] == 3
+    finally:
+        ckpt.close()
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(values), strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
