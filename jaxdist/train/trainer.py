@@ -79,7 +79,8 @@ def model_config(cfg: TrainConfig):
     if m.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {m.dtype!r}")
     fields = {f.name for f in dataclasses.fields(family.config)}
-    over = {k: getattr(m, k) for k in (*OVERRIDES, "tie_embeddings", "sliding_window", "loss_chunk") if getattr(m, k) is not None}
+    keys = (*OVERRIDES, "tie_embeddings", "sliding_window", "loss_chunk")
+    over = {k: getattr(m, k) for k in keys if getattr(m, k) is not None}
     if "sliding_window" in over:
         over["sliding_window"] = over["sliding_window"] or None  # 0: no window
     for key in over:
