@@ -89,12 +89,8 @@ class UnitCode:
         local_batch,
     ):
         self.cfg, self.mesh, self.split, self.layout = cfg, mesh, split, layout
-        self.units, self.placements, self.block_leaves, self.local_batch = (
-            split.units,
-            placements,
-            block_leaves,
-            local_batch,
-        )
+        self.units, self.placements = split.units, placements
+        self.block_leaves, self.local_batch = block_leaves, local_batch
         self.trace_backend: str | None = None  # "xla" while `_decide_tp_sums` traces
         self.tp_sums: dict = {}
         leaves = layout.leaves
