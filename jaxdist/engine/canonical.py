@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.core.canonical import canonical_avals, check_canonical, mirror_map, with_shardings
+from jaxdist.core.canonical import canonical_avals, check_canonical, mirrored_shardings, with_shardings
 from jaxdist.core.per_leaf import owners
 from jaxdist.core.step import TrainState, on_auto_axes
 from jaxdist.engine.layout import Layout, Leaf
@@ -42,18 +42,13 @@ class CanonicalForm:
         stored (over tp and the storage axis), except grouped columns (see `spec`); everything else
         replicated."""
         layout = self.layout
-        replicated = layout.sharding(P())
         params = layout.unflatten(
             [
                 jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=layout.sharding(self.spec(leaf)))
                 for leaf in layout.leaves
             ]
         )
-        opt = mirror_map(
-            jax.eval_shape(self.optimizer.init, params), params, lambda _, p: p.sharding, lambda _: replicated
-        )
-        model_state = jax.tree.map(lambda _: replicated, self.model_avals())
-        return TrainState(jax.tree.map(lambda p: p.sharding, params), opt, replicated, model_state)
+        return mirrored_shardings(self.optimizer, params, self.model_avals(), layout.sharding(P()))
 
     def spec(self, leaf: Leaf) -> P:
         """The storage spec, but a grouped column (fused q/k/v), stored in another order along its tp
