@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "jaxdist"
 
 # lower number = lower layer; a module imports only modules of its layer or below
 LAYERS = {
-    "jaxdist": 9,  # the package's __init__ imports what it exposes
+    "jaxdist": 12,  # the package's __init__ imports what it exposes
     "jaxdist._xla_flags": 0,
     "jaxdist._moved": 0,
     "jaxdist.core.compat": 0,  # shims over JAX internals, below everything
@@ -30,10 +30,19 @@ LAYERS = {
     "jaxdist.tp": 4,
     "jaxdist.engine.residuals": 4,
     "jaxdist.ddp": 5,
-    "jaxdist.engine": 5,
-    "jaxdist.pipeline": 6,
-    "jaxdist.models": 7,
-    "jaxdist.train": 8,
+    # the unit engine's parts, bottom-up: options and layout, the units and their communication,
+    # the step and the canonical form, then the run that wires them (and FSDP, a configuration of it)
+    "jaxdist.engine.options": 5,
+    "jaxdist.engine.layout": 5,
+    "jaxdist.engine.units": 6,
+    "jaxdist.engine.apply": 6,
+    "jaxdist.engine.unit_comm": 6,
+    "jaxdist.engine.step": 7,
+    "jaxdist.engine.canonical": 7,
+    "jaxdist.engine": 8,
+    "jaxdist.pipeline": 9,
+    "jaxdist.models": 10,
+    "jaxdist.train": 11,
 }
 
 

@@ -37,6 +37,15 @@ def mirror_map(opt_tree, params, on_mirror: Callable[[Any, Any], Any], on_other:
     return treedef.unflatten(placed)
 
 
+def mirrored_shardings(optimizer: optax.GradientTransformation, params, model_state_avals, replicated) -> TrainState:
+    """Where a train state lives whose parameters are `params` (ShapeDtypeStructs with shardings): each
+    parameter as given, every optimizer state leaf mirroring a parameter (`mirror_map`) as that parameter,
+    the rest of the optimizer state, the step and the model state (`model_state_avals`) on `replicated`."""
+    opt = mirror_map(jax.eval_shape(optimizer.init, params), params, lambda _, p: p.sharding, lambda _: replicated)
+    model_state = jax.tree.map(lambda _: replicated, model_state_avals)
+    return TrainState(jax.tree.map(lambda p: p.sharding, params), opt, replicated, model_state)
+
+
 def canonical_avals(optimizer: optax.GradientTransformation, params_avals, model_state_avals) -> TrainState:
     """The shapes and dtypes of the canonical state of a run with these parameters."""
     opt = jax.eval_shape(optimizer.init, params_avals)

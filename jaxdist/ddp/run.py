@@ -49,7 +49,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
-from jaxdist.core.canonical import canonical_avals, check_canonical, mirror_map, resharding, with_shardings
+from jaxdist.core.canonical import canonical_avals, check_canonical, mirrored_shardings, resharding, with_shardings
 from jaxdist.core.compat import model_sharding_dropped
 from jaxdist.core.model_state import ModelState, keep_if, split_for_training
 from jaxdist.core.step import (
@@ -261,18 +261,13 @@ class DDPRun:
     def _state_shardings(self) -> TrainState:
         """Where the state lives: parameters as `_leaf_specs`, the optimizer state mirroring a parameter
         like it, everything else replicated."""
-        replicated = self._sharding(P())
         params = self.treedef.unflatten(
             [
                 jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._sharding(spec))
                 for a, spec in zip(self.param_avals, self._leaf_specs, strict=True)
             ]
         )
-        opt = mirror_map(
-            jax.eval_shape(self.optimizer.init, params), params, lambda _, p: p.sharding, lambda _: replicated
-        )
-        model_state = jax.tree.map(lambda _: replicated, self.stored_avals)
-        return TrainState(jax.tree.map(lambda p: p.sharding, params), opt, replicated, model_state)
+        return mirrored_shardings(self.optimizer, params, self.stored_avals, self._sharding(P()))
 
     def _init_state(self, params, stored) -> TrainState:
         shardings = self.state_shardings

@@ -15,27 +15,32 @@ are the engine's `jaxdist.engine.prefetch.pipelined_loop`, whose carry holds exa
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-import jax
 import optax
 from flax import nnx
 
 from jaxdist.engine.run import Parallel, ParallelRun, Units
 
-__all__ = ["FSDP"]
+__all__ = ["FSDP", "Units"]
+
+# the options FSDP fixes: ZeRO-3 storage over `axis`, no tensor parallelism
+FIXED = ("plan", "fsdp_axis", "tp_axis", "zero1", "sequence_parallel", "sequence_dim")
 
 
-@dataclasses.dataclass(frozen=True)
-class FSDP:
-    """Options of fully sharded data parallelism over the mesh axis `axis`.
+class FSDP(Parallel):
+    """Fully sharded data parallelism over the mesh axis `axis`: `Parallel` with ZeRO-3 storage over
+    `axis`, an optional replica axis and no tensor parallelism.
+
+    `FSDP(mesh, axis="fsdp", dp_axis=None, **options)`; `options` are `Parallel`'s other than those
+    FSDP fixes (`plan`, `fsdp_axis`, `tp_axis`, `zero1`, `sequence_parallel`, `sequence_dim`):
 
     Attributes:
       mesh: the device mesh.
       axis: the mesh axis parameters are sharded over.
-      dp_axis: an optional replica axis (HSDP): parameters are replicated over
-        it, the batch is split over both axes, and gradient shards are averaged
-        over it after the reduce-scatter.
+      replica_axis: the `dp_axis` argument: an optional replica axis (HSDP): parameters are
+        replicated over it, the batch is split over both axes, and gradient shards are averaged
+        over it after the reduce-scatter. (`dp_axis`, as `Parallel`'s, names the engine's role:
+        this axis, or one the mesh does not have.)
       buffers: how many gathered units may exist at once (>= 2).
       prefetch: how many units ahead gathers start; needs `prefetch + 1 <= buffers`.
       reshard_after_forward: drop gathered weights after the forward (re-gather
@@ -58,64 +63,57 @@ class FSDP:
       max_grad_norm: clip by the global gradient norm.
       skip_nonfinite: skip the update when a gradient is NaN/Inf (default:
         on, unless `update_in_backward`).
-      unroll: ignored (kept for compatibility): the engine always unrolls its
-        unit loops, since each block runs its own code.
       backend: the `jaxdist.comm` backend.
+
+    `unroll` is accepted and ignored (kept for compatibility): the engine always unrolls its unit
+    loops, since each block runs its own code.
     """
 
-    mesh: jax.sharding.Mesh
-    axis: str = "fsdp"
-    dp_axis: str | None = None
-    buffers: int = 2
-    prefetch: int = 1
-    reshard_after_forward: bool = True
-    remat: bool | None = None
-    compute_dtype: Any = None
-    reduce_dtype: Any = None
-    update_in_backward: bool = False
-    max_grad_norm: float | None = None
-    skip_nonfinite: bool | None = None
-    unroll: bool = False
-    backend: str | None = None
-
-    def __post_init__(self):
-        for name in (self.axis, self.dp_axis):
-            if name is not None and name not in self.mesh.axis_names:
-                raise ValueError(f"FSDP: axis {name!r} is not a mesh axis; the mesh has {self.mesh.axis_names}")
-        if self.dp_axis == self.axis:
-            raise ValueError(f"FSDP: dp_axis={self.dp_axis!r} is axis itself; the replica axis (HSDP) is another one")
-        self.parallel()  # checks the options now, before anything is prepared
-
-    def parallel(self) -> Parallel:
-        """The unit engine's options this FSDP is: ZeRO-3 storage over `axis`, replicas over `dp_axis`."""
-        shape = self.mesh.shape
-        others = [a for a in self.mesh.axis_names if a not in (self.axis, self.dp_axis)]
-        wide = [a for a in others if shape[a] > 1]
+    def __init__(self, mesh, axis: str = "fsdp", dp_axis: str | None = None, *, unroll: bool = False, **options):
+        del unroll
+        known = {f.name for f in dataclasses.fields(Parallel)}
+        for name in options:
+            if name in FIXED:
+                raise TypeError(
+                    f"FSDP: {name} is fixed by FSDP (ZeRO-3 over axis, no tensor parallelism); use "
+                    "jaxdist.engine.Parallel to set it"
+                )
+            if name not in known or name in ("mesh", "dp_axis"):
+                raise TypeError(f"FSDP: unexpected option {name!r}; FSDP takes Parallel's options but {FIXED}")
+        for name in (axis, dp_axis):
+            if name is not None and name not in mesh.axis_names:
+                raise ValueError(f"FSDP: axis {name!r} is not a mesh axis; the mesh has {mesh.axis_names}")
+        if dp_axis == axis:
+            raise ValueError(f"FSDP: dp_axis={dp_axis!r} is axis itself; the replica axis (HSDP) is another one")
+        others = [a for a in mesh.axis_names if a not in (axis, dp_axis)]
+        wide = [a for a in others if mesh.shape[a] > 1]
         if wide:
             raise ValueError(
-                f"FSDP: mesh axis {wide[0]!r} (size {shape[wide[0]]}) is neither axis={self.axis!r} nor dp_axis; "
+                f"FSDP: mesh axis {wide[0]!r} (size {mesh.shape[wide[0]]}) is neither axis={axis!r} nor dp_axis; "
                 f"pass dp_axis={wide[0]!r} for HSDP, or use jaxdist.engine.Parallel (e.g. with tensor parallelism)"
             )
         # axes of size 1 (the trainer's dp=1) take the engine's free roles; a role left over gets a name
         # the mesh does not have
         spare = iter([*others, *(f"_unused{i}" for i in range(2))])
-        dp_axis = self.dp_axis if self.dp_axis is not None else next(spare)
-        return Parallel(
-            self.mesh,
-            dp_axis=dp_axis,
-            fsdp_axis=self.axis,
-            tp_axis=next(spare),
-            buffers=self.buffers,
-            prefetch=self.prefetch,
-            reshard_after_forward=self.reshard_after_forward,
-            remat=self.remat,
-            compute_dtype=self.compute_dtype,
-            reduce_dtype=self.reduce_dtype,
-            update_in_backward=self.update_in_backward,
-            max_grad_norm=self.max_grad_norm,
-            skip_nonfinite=self.skip_nonfinite,
-            backend=self.backend,
-        )
+        roles = {"dp_axis": dp_axis if dp_axis is not None else next(spare), "fsdp_axis": axis}
+        object.__setattr__(self, "replica_axis", dp_axis)
+        super().__init__(mesh, **roles, tp_axis=next(spare), **options)
+
+    @property
+    def axis(self) -> str:
+        """The mesh axis parameters are sharded over."""
+        return self.fsdp_axis
+
+    def __repr__(self) -> str:
+        shown = [f"mesh={dict(self.mesh.shape)}", f"axis={self.axis!r}", f"dp_axis={self.replica_axis!r}"]
+        for f in dataclasses.fields(Parallel):
+            if f.name not in (*FIXED, "mesh", "dp_axis") and getattr(self, f.name) != f.default:
+                shown.append(f"{f.name}={getattr(self, f.name)!r}")
+        return f"FSDP({', '.join(shown)})"
+
+    def parallel(self) -> Parallel:
+        """The unit engine's options this FSDP is: ZeRO-3 storage over `axis`, replicas over `dp_axis`."""
+        return Parallel(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Parallel)})
 
     def prepare(self, model: nnx.Module, optimizer: optax.GradientTransformation, units: Units, batch) -> ParallelRun:
         """Shard `model`'s parameters over `axis` and build the train step (`Parallel.prepare`).

@@ -102,10 +102,15 @@ def pipelined_loop(
         raise ValueError(f"pipelined_loop: depth must be in 1..{n} for {n} units, got {depth}")
     # a backend whose handles cannot be loop carries gets the whole loop unrolled
     unroll = unroll or not all(op.crosses_loops for op in (fetch, emit) if op is not None)
-    order = (lambda k: n - 1 - k) if reverse else (lambda k: k)
+
+    def order(k):
+        return n - 1 - k if reverse else k
+
     stack = finish is None
     if stack:
-        finish = lambda unit, done, acc, tok: (done, tok)  # noqa: E731 - the done value is the output
+
+        def finish(unit, done, acc, tok):  # the done value is the output
+            return done, tok
 
     def one(k, state, fetch_next: bool, pop: bool):
         carry, tok, fetches, emits, acc = state

@@ -66,7 +66,10 @@ def _evaluate(jaxpr, consts, args: list, wanted: list[bool]) -> list:
     plan, _ = _plan(jaxpr, wanted)
     env = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
-    read = lambda v: env.get(v) if isinstance(v, Var) else v.val
+
+    def read(v):
+        return env.get(v) if isinstance(v, Var) else v.val
+
     for eqn, outs in plan:
         ins = [read(v) for v in eqn.invars]
         if any(a is None for a in ins):
@@ -127,7 +130,10 @@ def rebuild(tree, kept: Sequence[Any], fresh: Sequence[Any]):
 def _reads(jaxpr, in_flags: list[int]) -> list[int]:
     """What each output of `jaxpr` reads (W | X bits) given its inputs' (constants and literals: 0)."""
     env = dict(zip(jaxpr.invars, in_flags, strict=True))
-    read = lambda v: env.get(v, 0) if isinstance(v, Var) else 0
+
+    def read(v):
+        return env.get(v, 0) if isinstance(v, Var) else 0
+
     for eqn in jaxpr.eqns:
         flags = [read(v) for v in eqn.invars]
         subs = sub_jaxprs(eqn.params)
