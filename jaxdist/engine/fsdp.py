@@ -98,13 +98,14 @@ class FSDP:
             )
         # axes of size 1 (the trainer's dp=1) take the engine's free roles; a role left over gets a name
         # the mesh does not have
-        spare = iter([*others, *(f"_unused{i}" for i in range(2))])
+        spare = iter([*others, *(f"_unused{i}" for i in range(3))])
         dp_axis = self.dp_axis if self.dp_axis is not None else next(spare)
         return Parallel(
             self.mesh,
             dp_axis=dp_axis,
             fsdp_axis=self.axis,
             tp_axis=next(spare),
+            cp_axis=next(spare),
             buffers=self.buffers,
             prefetch=self.prefetch,
             reshard_after_forward=self.reshard_after_forward,

@@ -43,7 +43,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import comm
+from jaxdist import comm, cp
 from jaxdist.core.canonical import canonical_avals, check_canonical, mirror_map, with_shardings
 from jaxdist.core.compat import model_sharding_dropped
 from jaxdist.core.model_state import ModelState, keep_if, split_params, training_copy
@@ -152,6 +152,13 @@ class Parallel:
         computed with (`metrics["weights_used"]`, `metrics["weights_used_backward"]`; a test probe
         that costs reductions per step).
       backend: the `jaxdist.comm` backend.
+      cp_axis: the context-parallel axis (docs/guides/context-parallel.md): each data rank's sequences are
+        cut into 2 cp chunks along dimension 1, rank r holding chunks r and 2 cp - 1 - r; every batch array
+        with the sequence along dimension 1 is cut alike, `batch["positions"]` (the tokens' global positions)
+        is added when absent, and the model's `jax.nn.dot_product_attention` calls see the keys and values of
+        every cp rank (`jaxdist.cp`). Gradients average over it like a data axis.
+      cp_whole: batch keys every cp rank sees whole (not cut): arrays the model builds its attention mask
+        from over the whole sequence, such as the document ids of packed sequences.
     """
 
     mesh: jax.sharding.Mesh
@@ -173,6 +180,8 @@ class Parallel:
     skip_nonfinite: bool | None = None
     record_weights: bool = False
     backend: str | None = None
+    cp_axis: str = "cp"
+    cp_whole: tuple[str, ...] = ("segment_ids",)
 
     def __post_init__(self):
         names = self.mesh.axis_names
@@ -187,8 +196,8 @@ class Parallel:
         if unknown:
             raise ValueError(
                 f"Parallel: mesh axes {unknown} are none of dp_axis={self.dp_axis!r}, fsdp_axis={self.fsdp_axis!r}, "
-                f"tp_axis={self.tp_axis!r}; name the mesh axes after them or pass the names (a pipeline axis: "
-                "jaxdist.pipeline.Pipelined)"
+                f"tp_axis={self.tp_axis!r}, cp_axis={self.cp_axis!r}; name the mesh axes after them or pass the "
+                "names (a pipeline axis: jaxdist.pipeline.Pipelined)"
             )
         if self.tp > 1 and self.plan is None:
             raise ValueError(f"Parallel: the {self.tp_axis!r} axis has size {self.tp}; pass plan=TPPlan(...)")
@@ -220,7 +229,7 @@ class Parallel:
 
     def _axis_roles(self) -> dict[str, str]:
         """The mesh axis of each role these options place work on (a subclass adding an axis extends it)."""
-        return {"dp_axis": self.dp_axis, "fsdp_axis": self.fsdp_axis, "tp_axis": self.tp_axis}
+        return {"dp_axis": self.dp_axis, "fsdp_axis": self.fsdp_axis, "tp_axis": self.tp_axis, "cp_axis": self.cp_axis}
 
     def _size(self, axis: str) -> int:
         return self.mesh.shape[axis] if axis in self.mesh.axis_names else 1
@@ -230,10 +239,19 @@ class Parallel:
         return self._size(self.tp_axis)
 
     @property
+    def cp(self) -> int:
+        return self._size(self.cp_axis)
+
+    @property
     def data_axes(self) -> tuple[str, ...]:
         """The data axes of size > 1 (an axis of size 1 would only add no-op collectives and the
-        packing of their buffers to every step)."""
-        return tuple(a for a in (self.dp_axis, self.fsdp_axis) if self._size(a) > 1)
+        packing of their buffers to every step); cp is one: its ranks hold other tokens of the batch."""
+        return tuple(a for a in (self.dp_axis, self.fsdp_axis, self.cp_axis) if self._size(a) > 1)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The data axes the batch's rows split over (cp splits the sequence instead)."""
+        return tuple(a for a in self.data_axes if a != self.cp_axis)
 
     @property
     def storage_axis(self) -> str | None:
@@ -334,6 +352,8 @@ class ParallelRun:
         start = self.initial_model_state["outer"]
         embed = lambda ws, b: self._outer_apply(ws, start, lambda m: units.embed(m, b), bound=False)[0]
         x_aval = jax.eval_shape(embed, self._avals(outer, whole=True), self.local_batch)
+        if cfg.cp > 1:  # context parallelism: from here on, one cp rank's chunks of the sequence
+            x_aval = self._cp_prepare(x_aval, lambda b: jax.eval_shape(embed, self._avals(outer, whole=True), b), rest)
         self.sequence_dim = _sequence_dim(cfg, x_aval.shape)
         zeros_x = lambda: jnp.zeros(x_aval.shape, x_aval.dtype)
         head = lambda ws, b: self._outer_apply(ws, start, lambda m: units.head_loss(m, zeros_x(), b), bound=False)[0]
@@ -357,8 +377,38 @@ class ParallelRun:
         """One data rank's avals of a global `batch` (prepare's example or a step's); a batch that does
         not split over the data axes raises, naming the fix."""
         cfg = self.cfg
-        fix = f"the {self.n_data} devices of the data axes {cfg.data_axes}; change the batch size"
-        return local_batch_avals(batch, self.n_data, type(cfg).__name__, fix)
+        rows = int(np.prod([cfg._size(a) for a in cfg.batch_axes]))
+        fix = f"the {rows} devices of the data axes {cfg.batch_axes}; change the batch size"
+        return local_batch_avals(batch, rows, type(cfg).__name__, fix)
+
+    def _cp_prepare(self, x_whole, embed_shape, rest):
+        """Context parallelism at prepare: the sequence length, one cp rank's batch avals (`local_batch`
+        from here on), the model checked to run correctly on them (`jaxdist.cp.check_model`); returns the
+        activations' aval on one cp rank."""
+        cfg, units, who = self.cfg, self.units, type(self.cfg).__name__
+        self.cp_length = cp.sequence_length(self.local_batch, x_whole.shape, who)
+        self.local_batch = cp.local_batch_avals(self.local_batch, cfg.cp, self.cp_length, cfg.cp_whole, who)
+        x_aval = embed_shape(self.local_batch)
+        if x_aval.shape[1] != 2 * cp.chunk_len(cfg.cp, self.cp_length):
+            raise ValueError(
+                f"{who}: under cp the embed made activations {x_aval.shape} of one rank's batch; cp cuts every batch "
+                f"array whose dimension 1 has the sequence length {self.cp_length}: give inputs and targets that "
+                "length (for jaxdist's GPT: jaxdist.models.gpt.next_token_batch)"
+            )
+
+        @model_sharding_dropped()
+        def run_model(params, batch):  # the model as on one device, as `_resolve_plan` traces it
+            model = nnx.merge(self.graphdef, params, rest)
+            x = units.embed(model, batch)
+            for i in range(1 if units.stacked else self.n_blocks):
+                block = self._first_layer if units.stacked else getattr(model, units.blocks)[i]
+                x = self._block_call(i, block, x, batch, units.block_call)
+            units.head_loss(model, x, batch)
+            return jnp.zeros(())
+
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(self.template))
+        cp.check_model(run_model, shapes, self.local_batch, cfg.cp, self.cp_length, who)
+        return x_aval
 
     def _check_outer_reads(self, block_reads: set[int], unit: str) -> None:
         """The embed and head units run on the outer parameters only (a block's parameters are gathered for
@@ -532,8 +582,15 @@ class ParallelRun:
         if not units.has_aux:
             return None
         rows = jax.tree.leaves(self.local_batch)[0].shape[0]
-        per_example = P(_axes(self.cfg.data_axes)) if self.cfg.data_axes else P()
-        return jax.tree.map(lambda a: per_example if a.ndim and a.shape[0] == rows else P(), aux)
+        batch_axes = self.cfg.batch_axes
+        per_example = P(_axes(batch_axes)) if batch_axes else P()
+        specs = jax.tree.map(lambda a: per_example if a.ndim and a.shape[0] == rows else P(), aux)
+        if self.cfg.cp > 1 and any(s != P() for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+            raise ValueError(
+                "Parallel: under cp each rank's per-example aux values cover only its tokens; return scalar aux "
+                "values (averaged over the ranks) or leave cp out"
+            )
+        return specs
 
     def _spec(self, leaf: _Leaf) -> P:
         cfg = self.cfg
@@ -976,7 +1033,18 @@ class ParallelRun:
     # -- the step -------------------------------------------------------------------------
 
     def _batch_spec(self) -> P:
-        return P(_axes(self.cfg.data_axes)) if self.cfg.data_axes else P()
+        return P(_axes(self.cfg.batch_axes)) if self.cfg.batch_axes else P()
+
+    def _per_device(self, params, model_state, step, batch, *opt_state):
+        """`_local_grads` on this device's batch: under cp its rank's chunks of the sequence, with the
+        model's attention over the whole context (`jaxdist.cp`)."""
+        cfg = self.cfg
+        if cfg.cp == 1:
+            return self._local_grads(params, model_state, step, batch, *opt_state)
+        rank = jax.lax.axis_index(cfg.cp_axis)
+        batch = cp.local_batch(batch, rank, cfg.cp, self.cp_length, cfg.cp_whole)
+        with cp.attention_over(cfg.cp_axis, cfg.cp, self.cp_length, cfg.backend, type(cfg).__name__):
+            return self._local_grads(params, model_state, step, batch, *opt_state)
 
     def _step(self, state: TrainState, batch):
         cfg = self.cfg
@@ -991,7 +1059,7 @@ class ParallelRun:
         if cfg.update_in_backward:  # the optimizer runs inside, unit by unit
             opt_specs = jax.tree.map(lambda s: s.spec, self.state_shardings.opt_state)
             body = jax.shard_map(
-                self._local_grads,
+                self._per_device,
                 mesh=self.mesh,
                 in_specs=(specs, P(), P(), batch_spec, opt_specs),
                 out_specs=((specs, opt_specs), P(), metrics_spec),
@@ -1003,7 +1071,7 @@ class ParallelRun:
             new = TrainState(params, opt_state, state.step + 1, model_state)
             return new, {**metrics, "grad_norm": jnp.float32(jnp.nan), "skipped": jnp.zeros((), jnp.bool_)}
         body = jax.shard_map(
-            self._local_grads,
+            self._per_device,
             mesh=self.mesh,
             in_specs=(specs, P(), P(), batch_spec),
             out_specs=(specs, P(), metrics_spec),
