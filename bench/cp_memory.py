@@ -4,8 +4,8 @@
 
 `temp` is the step's scratch memory (activations kept for backward, attention scores, gathered
 keys and values, temporaries): what context parallelism divides. `arguments` holds the parameters,
-optimizer state and batch, replicated over cp. Prints a table (recorded in
-docs/guides/context-parallel.md).
+optimizer state and batch, replicated over cp. Prints a table and appends it to bench/RESULTS.md
+(the current one is on docs/guides/context-parallel.md).
 
     python bench/cp_memory.py [--seq 1024] [--rows 2] [--layers 2]
 """
@@ -15,11 +15,15 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
+import sys  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from results import append_result  # noqa: E402
 
 from jaxdist.engine.run import Parallel  # noqa: E402
 from jaxdist.models.gpt import GPT, UNITS, GPTConfig, next_token_batch  # noqa: E402
@@ -57,7 +61,10 @@ def main():
             f"{mem.argument_size_in_bytes / mib:.1f} |"
         )
         print(lines[-1], flush=True)
-    print("\n".join(lines))
+    table = "\n".join(lines)
+    print(table)
+    command = "python bench/cp_memory.py " + " ".join(sys.argv[1:])
+    append_result("Context parallelism: per-device step memory", command.strip(), "8 simulated CPU devices", table)
 
 
 if __name__ == "__main__":

@@ -155,6 +155,11 @@ def parallelize(cfg: TrainConfig, mesh, model: GPT, optimizer, batch):
         from jaxdist.comm import nccl
 
         nccl.init(mesh)
+    if p.cp > 1 and model.cfg.seq_len % (2 * p.cp):
+        raise ConfigError(
+            f"model.seq_len={model.cfg.seq_len} must divide into 2 x parallel.cp = {2 * p.cp} equal chunks; "
+            "change model.seq_len or parallel.cp"
+        )
     if p.pp > 1:
         return _pipelined(cfg, mesh, model, optimizer, batch, clip)
     if p.tp > 1 or p.cp > 1 or (p.fsdp > 1 and not p.update_in_backward):
