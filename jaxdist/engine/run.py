@@ -105,7 +105,7 @@ class Units:
 
 @dataclasses.dataclass(frozen=True)
 class Parallel:
-    """Options of DP x FSDP x TP training over the mesh axes that exist.
+    """Options of DP x FSDP x TP x CP training over the mesh axes that exist.
 
     Attributes:
       mesh: the device mesh; any of the axes `dp_axis`, `fsdp_axis`, `tp_axis`.

@@ -57,7 +57,15 @@ CASES = {
     "gpt-cp8-sgd": ("gpt", "sgd", (8,), ("cp",), {}),
     "decoder-cp8-adamw": ("decoder", "adamw", (8,), ("cp",), {}),
     "decoder-fsdp2xcp2-sgd": ("decoder", "sgd", (2, 2), ("fsdp", "cp"), {}),
+    "decoder-fsdp2xcp2-keep-activations-sgd": ("decoder", "sgd", (2, 2), ("fsdp", "cp"), {"remat": False}),
     "gpt-cp2xtp2-sp-sgd": ("gpt", "sgd", (2, 2), ("cp", "tp"), {"plan": PLAN, "sequence_parallel": True}),
+    "gpt-cp2xtp2-sp-sequence-sgd": (
+        "gpt",
+        "sgd",
+        (2, 2),
+        ("cp", "tp"),
+        {"plan": PLAN, "sequence_parallel": True, "sequence_dim": 1},  # SP cuts the rank's own chunk further
+    ),
     "gpt-pp2xcp2-sgd": ("gpt", "sgd", (2, 2), ("pp", "cp"), {"pipeline": True, "microbatches": 2}),
     "decoder-pp2xcp2-adamw": ("decoder", "adamw", (2, 2), ("pp", "cp"), {"pipeline": True, "microbatches": 2}),
 }
