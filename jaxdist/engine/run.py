@@ -30,6 +30,7 @@ the unit's gradients are reduced (per-leaf optimizers only). FSDP
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -366,7 +367,9 @@ class ParallelRun:
         self.embed_leaves = [k for k in outer if k in read_by_embed]
         self.head_leaves = [k for k in outer if k in read_by_head or k not in read_by_embed]
         self.tied = [k for k in self.embed_leaves if k in self.head_leaves]
-        self.tp_sums = self._decide_tp_sums(x_aval) if cfg.tp > 1 else {}
+        # under cp the blocks' attention traced on one rank's shapes: the whole context's keys (jaxdist.cp)
+        with cp.probe_attention(cfg.cp, self.cp_length) if cfg.cp > 1 else contextlib.nullcontext():
+            self.tp_sums = self._decide_tp_sums(x_aval) if cfg.tp > 1 else {}
         if cfg.update_in_backward:
             check_per_leaf(optimizer, pure, "Parallel")
         self.state = self._init_state(pure)

@@ -12,7 +12,15 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from support.cp_models import DECODER_UNITS, Decoder, DecoderConfig, packed_batch, reference_run, units_loss
+from support.cp_models import (
+    DECODER_TP_PLAN,
+    DECODER_UNITS,
+    Decoder,
+    DecoderConfig,
+    packed_batch,
+    reference_run,
+    units_loss,
+)
 from support.meshes import cpu_mesh
 
 from jaxdist.engine.run import Parallel
@@ -66,6 +74,8 @@ CASES = {
         ("cp", "tp"),
         {"plan": PLAN, "sequence_parallel": True, "sequence_dim": 1},  # SP cuts the rank's own chunk further
     ),
+    "decoder-cp2xtp2-adamw": ("decoder", "adamw", (2, 2), ("cp", "tp"), {"plan": DECODER_TP_PLAN}),
+    "gpt-dp2xcp2xtp2-sgd": ("gpt", "sgd", (2, 2, 2), ("dp", "cp", "tp"), {"plan": PLAN}),
     "gpt-pp2xcp2-sgd": ("gpt", "sgd", (2, 2), ("pp", "cp"), {"pipeline": True, "microbatches": 2}),
     "decoder-pp2xcp2-adamw": ("decoder", "adamw", (2, 2), ("pp", "cp"), {"pipeline": True, "microbatches": 2}),
 }

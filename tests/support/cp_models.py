@@ -14,6 +14,7 @@ import optax
 from flax import nnx
 
 from jaxdist.engine.run import Units
+from jaxdist.tp import plan as tp_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,21 @@ def decoder_head_loss(model: Decoder, x, batch):
     logits = model.head(model.norm(x)).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
 
+
+# Megatron's layout for the decoder: heads (query and the fewer key/value heads) and the MLP's hidden
+# features split over tp
+DECODER_TP_PLAN = tp_plan.TPPlan(
+    layers={
+        "blocks/*/q": tp_plan.column(),
+        "blocks/*/k": tp_plan.column(),
+        "blocks/*/v": tp_plan.column(),
+        "blocks/*/o": tp_plan.row(),
+        "blocks/*/gate": tp_plan.column(),
+        "blocks/*/up": tp_plan.column(),
+        "blocks/*/down": tp_plan.row(),
+    },
+    divide={"blocks/*": ("n_heads", "n_kv_heads")},
+)
 
 DECODER_UNITS = Units(embed=decoder_embed, head_loss=decoder_head_loss, block_call=decoder_block)
 
