@@ -220,5 +220,3 @@ def check_model(run_model: Callable, params, batch, cp: int, length: int, who: s
             f"itself (arange) and would place them wrongly; read positions from batch['{POSITIONS}'] when present"
         )
     return probe
-
-

@@ -70,6 +70,8 @@ def local_batch_avals(batch, cp: int, length: int, whole: tuple[str, ...], who: 
     """The avals of `local_batch` for a data rank's batch of avals `batch` (refused unless it is a dict
     and the sequence splits into 2 cp chunks)."""
     _check_dict(batch, who)
+    if isinstance(whole, str) or not all(isinstance(k, str) for k in whole):
+        raise ValueError(f"{who}: cp_whole must be a tuple of batch keys, e.g. ('segment_ids',), got {whole!r}")
     n = chunk_len(cp, length)
 
     cut_keys = []

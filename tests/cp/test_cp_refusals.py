@@ -72,3 +72,8 @@ def test_a_gpt_batch_of_t_plus_one_tokens_is_refused_naming_next_token_batch():
 def test_a_sequence_that_does_not_cut_into_2cp_chunks_is_refused_at_prepare():
     with pytest.raises(ValueError, match=r"2 x cp = 4 equal chunks, but the sequence has 6 tokens"):
         prepare(DECODER_UNITS, packed_batch(2, 6, 64, seed=0))
+
+
+def test_cp_whole_given_as_one_string_is_refused():
+    with pytest.raises(ValueError, match=r"cp_whole must be a tuple of batch keys"):
+        prepare(DECODER_UNITS, packed_batch(2, 8, 64, seed=0), cp_whole="segment_ids")

@@ -33,19 +33,32 @@ def test_sizes_that_do_not_multiply_to_the_devices_name_cp():
         make_mesh(config_lib.load(None, ["parallel.cp=2", "parallel.dp=3"]), jax.devices()[:8])
 
 
+BASE = [
+    "model.flavor=tiny",
+    "data.batch_size=8",
+    "run.log_every=1",
+    "run.progress=false",
+    "run.eval_every=0",
+    "run.sample_tokens=0",
+    "parallel.tp=2",
+]
+
+
+def run(tmp_path, name, *overrides, **kwargs):
+    return train(config_lib.load(None, [*BASE, f"run.out_dir={tmp_path / name}", *overrides]), **kwargs)
+
+
 @pytest.mark.slow
 def test_a_cp4_run_has_the_losses_of_the_run_without_cp(tmp_path):
-    base = [
-        "model.flavor=tiny",
-        "data.batch_size=8",
-        "run.steps=3",
-        "run.log_every=1",
-        "run.progress=false",
-        "run.checkpoint_every=-1",
-        "run.eval_every=0",
-        "run.sample_tokens=0",
-        "parallel.tp=2",
-    ]
-    without = train(config_lib.load(None, [*base, f"run.out_dir={tmp_path / 'plain'}"]))
-    with_cp = train(config_lib.load(None, [*base, "parallel.cp=4", f"run.out_dir={tmp_path / 'cp'}"]))
+    without = run(tmp_path, "plain", "run.steps=3", "run.checkpoint_every=-1")
+    with_cp = run(tmp_path, "cp", "run.steps=3", "run.checkpoint_every=-1", "parallel.cp=4")
     np.testing.assert_allclose(with_cp, without, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_under_cp_resumes_without_it_and_back(tmp_path):
+    whole = run(tmp_path, "whole", "run.steps=4", "run.checkpoint_every=-1")  # dp=4 x tp=2 throughout
+    first = run(tmp_path, "moved", "run.steps=4", "parallel.cp=4", stop_after=2)  # cp=4 x tp=2, saved at step 2
+    middle = run(tmp_path, "moved", "run.steps=4", stop_after=1)  # resumed without cp, saved at step 3
+    last = run(tmp_path, "moved", "run.steps=4", "parallel.cp=2")  # resumed with cp=2 x dp=2 x tp=2
+    np.testing.assert_allclose(first + middle + last, whole, rtol=1e-5)
