@@ -31,7 +31,7 @@ from jaxdist.train.config import ConfigError, TrainConfig
         ("run.sample_tokens=-5", "run.sample_tokens must be >= 0, got -5"),
         ("run.step_timeout_s=-1", "run.step_timeout_s must be >= 0 (0: off), got -1.0"),
         ("run.max_skipped_steps=-1", "run.max_skipped_steps must be >= 0 (0: never), got -1"),
-        ("parallel.dp=0", "parallel.dp must be >= 1 or -1 (every device not used by fsdp, tp and pp), got 0"),
+        ("parallel.dp=0", "parallel.dp must be >= 1 or -1 (every device not used by fsdp, tp, cp and pp), got 0"),
         ("parallel.bucket_mb=0", "parallel.bucket_mb must be > 0, got 0.0"),
         ("parallel.microbatches=0", "parallel.microbatches must be >= 1, got 0"),
         ("parallel.buffers=1", "parallel.buffers must be >= 2, got 1"),

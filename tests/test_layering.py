@@ -25,6 +25,7 @@ LAYERS = {
     "jaxdist.ddp.buckets": 2,
     "jaxdist.tp.layers": 2,
     "jaxdist.ddp.interleave": 3,
+    "jaxdist.cp": 3,  # context parallelism: batch layout and attention over comm, below the engine
     "jaxdist.engine.prefetch": 3,
     "jaxdist.pipeline.schedule": 3,
     "jaxdist.tp": 4,

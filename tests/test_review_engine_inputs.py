@@ -71,7 +71,9 @@ def test_a_ddp_loss_that_is_not_a_scalar_is_a_clear_error(loss_fn, match):
 def test_one_mesh_axis_named_for_two_roles_is_a_clear_error():
     # before: "batch leading dimension 16 must be divisible by the 64 devices of the data axes ('x', 'x')"
     mesh = cpu_mesh((8,), ("x",))
-    with pytest.raises(ValueError, match="Parallel: dp_axis='x', fsdp_axis='x', tp_axis='tp' name one axis twice"):
+    with pytest.raises(
+        ValueError, match="Parallel: dp_axis='x', fsdp_axis='x', tp_axis='tp', cp_axis='cp' name one axis twice"
+    ):
         Parallel(mesh, dp_axis="x", fsdp_axis="x")
     with pytest.raises(ValueError, match="pp_axis='x' name one axis twice"):
         Pipelined(cpu_mesh((2, 4), ("x", "dp")), fsdp_axis="x", pp_axis="x")

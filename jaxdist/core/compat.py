@@ -204,3 +204,59 @@ def model_sharding_dropped() -> Iterator[None]:
             _users -= 1
             if not _users:
                 _uninstall()
+
+
+# -- one JAX function routed through another in this thread ---------------------------------------
+
+
+class _Routes(threading.local):
+    active: dict | None = None  # original -> the function calls to it take in this thread
+
+
+_routes = _Routes()
+_route_lock = threading.Lock()
+_routed: dict = {}  # original -> [users, [(module, name), ...] pointing at its switch]
+
+
+def _route_switch(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def switched(*args, **kwargs):
+        active = _routes.active
+        target = active.get(original) if active else None
+        return (target or original)(*args, **kwargs)
+
+    switched._jaxdist_original = original
+    return switched
+
+
+@contextlib.contextmanager
+def routed(original: Callable, replacement: Callable) -> Iterator[None]:
+    """While inside (this thread), every call to `original` made through a module's reference to it
+    (`jax.nn.dot_product_attention`, or a user's `from jax.nn import dot_product_attention`) runs
+    `replacement` instead; other threads keep calling `original`. `replacement` calls `original`
+    itself to reach the function. Not nestable for the same `original`."""
+    with _route_lock:
+        entry = _routed.get(original)
+        if entry is None:
+            switched = _route_switch(original)
+            places = []
+            for module in list(sys.modules.values()):
+                names = getattr(module, "__dict__", None)
+                if isinstance(names, dict):
+                    places += [(module, name) for name, fn in list(names.items()) if fn is original]
+            for module, name in places:
+                setattr(module, name, switched)
+            entry = _routed[original] = [0, places]
+        entry[0] += 1
+    before = _routes.active
+    _routes.active = {**(before or {}), original: replacement}
+    try:
+        yield
+    finally:
+        _routes.active = before
+        with _route_lock:
+            entry[0] -= 1
+            if not entry[0]:
+                for module, name in entry[1]:
+                    setattr(module, name, original)
+                del _routed[original]

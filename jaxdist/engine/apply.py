@@ -8,11 +8,14 @@ pipeline's schedule call its `embed`, `block` and `head`.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxdist import cp
 from jaxdist.core.compat import model_sharding_dropped
 from jaxdist.engine.layout import Layout, piece_shape, whole_shape
 from jaxdist.engine.options import Options
@@ -68,7 +71,8 @@ class UnitCode:
       split, layout: the model's units and its parameters' leaves.
       placements: the resolved TP plan (None without tp).
       block_leaves: per block, its leaves (`block_leaf_groups`).
-      local_batch: one data rank's batch avals (prepare's example).
+      local_batch: one data rank's batch avals (prepare's example); under cp, the whole sequence (the
+        attribute then holds one cp rank's chunks: what the per-device program sees).
 
     Attributes:
       embed_leaves, head_leaves, tied: the outer leaves the embed reads, those the head reads (and
@@ -76,6 +80,7 @@ class UnitCode:
       sequence_dim: the activations' dimension sequence parallelism splits.
       aux_specs: the out spec of each of `head_loss`'s aux leaves (None without aux).
       tp_sums: per unit ("embed", "head", block i), the replicated leaves whose gradient is summed over tp.
+      cp_length: under cp, the whole sequence's length (None without cp).
     """
 
     def __init__(
@@ -96,9 +101,12 @@ class UnitCode:
         leaves = layout.leaves
         outer = [k for k, leaf in enumerate(leaves) if not split.is_block_path(leaf.path)]
         x_aval = jax.eval_shape(self.embed_shape, layout.avals(outer, whole=True), local_batch)
+        self.cp_length = None
+        if cfg.cp > 1:  # context parallelism: from here on, one cp rank's chunks of the sequence
+            x_aval = self._cp_prepare(x_aval, outer)
         self.sequence_dim = sequence_dim_of(cfg, x_aval.shape)
         head = self._head_as_on_one_device(x_aval)
-        self.aux_specs = self._aux_specs(jax.eval_shape(head, layout.avals(outer, whole=True), local_batch))
+        self.aux_specs = self._aux_specs(jax.eval_shape(head, layout.avals(outer, whole=True), self.local_batch))
         everything = range(len(leaves))
         read_by_embed = self.reads(self.embed_shape, everything)
         read_by_head = self.reads(head, everything)
@@ -107,7 +115,38 @@ class UnitCode:
         self.embed_leaves = [k for k in outer if k in read_by_embed]
         self.head_leaves = [k for k in outer if k in read_by_head or k not in read_by_embed]
         self.tied = [k for k in self.embed_leaves if k in self.head_leaves]
-        self.tp_sums = self._decide_tp_sums(x_aval) if cfg.tp > 1 else {}
+        # under cp the blocks' attention traced on one rank's shapes: the whole context's keys (jaxdist.cp)
+        with cp.probe_attention(cfg.cp, self.cp_length) if cfg.cp > 1 else contextlib.nullcontext():
+            self.tp_sums = self._decide_tp_sums(x_aval) if cfg.tp > 1 else {}
+
+    def _cp_prepare(self, x_whole, outer):
+        """Context parallelism at prepare: the sequence length, one cp rank's batch avals (`local_batch`
+        from here on), the model checked to run correctly on them (`jaxdist.cp.check_model`); returns the
+        activations' aval on one cp rank."""
+        cfg, split, units, who = self.cfg, self.split, self.units, type(self.cfg).__name__
+        self.cp_length = cp.sequence_length(self.local_batch, x_whole.shape, who)
+        self.local_batch = cp.local_batch_avals(self.local_batch, cfg.cp, self.cp_length, cfg.cp_whole, who)
+        x_aval = jax.eval_shape(self.embed_shape, self.layout.avals(outer, whole=True), self.local_batch)
+        if x_aval.shape[1] != 2 * cp.chunk_len(cfg.cp, self.cp_length):
+            raise ValueError(
+                f"{who}: under cp the embed made activations {x_aval.shape} of one rank's batch; cp cuts every batch "
+                f"array whose dimension 1 has the sequence length {self.cp_length}: give inputs and targets that "
+                "length (for jaxdist's GPT: jaxdist.models.gpt.next_token_batch)"
+            )
+
+        @model_sharding_dropped()
+        def run_model(params, batch):  # the model as on one device, as the plan's trace runs it
+            model = nnx.merge(split.graphdef, params, split.rest)
+            x = units.embed(model, batch)
+            for i in range(1 if units.stacked else split.n_blocks):
+                block = split.first_layer if units.stacked else getattr(model, units.blocks)[i]
+                x = call_block(i, block, x, batch, units.block_call)
+            units.head_loss(model, x, batch)
+            return jnp.zeros(())
+
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(split.template))
+        cp.check_model(run_model, shapes, self.local_batch, cfg.cp, self.cp_length, who)
+        return x_aval
 
     # -- shapes and reads, as on one device -------------------------------------------------
 
@@ -172,7 +211,13 @@ class UnitCode:
             return None
         rows = jax.tree.leaves(self.local_batch)[0].shape[0]
         per_example = self.cfg.batch_spec
-        return jax.tree.map(lambda a: per_example if a.ndim and a.shape[0] == rows else P(), aux)
+        specs = jax.tree.map(lambda a: per_example if a.ndim and a.shape[0] == rows else P(), aux)
+        if self.cfg.cp > 1 and any(s != P() for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+            raise ValueError(
+                "Parallel: under cp each rank's per-example aux values cover only its tokens; return scalar aux "
+                "values (averaged over the ranks) or leave cp out"
+            )
+        return specs
 
     # -- the plan bound, and the gradient sums over tp -----------------------------------------
 

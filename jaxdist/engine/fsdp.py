@@ -24,7 +24,7 @@ from jaxdist.engine.run import Parallel, ParallelRun, Units
 __all__ = ["FSDP", "Units"]
 
 # the options FSDP fixes: ZeRO-3 storage over `axis`, no tensor parallelism
-FIXED = ("plan", "fsdp_axis", "tp_axis", "zero1", "sequence_parallel", "sequence_dim")
+FIXED = ("plan", "fsdp_axis", "tp_axis", "cp_axis", "zero1", "sequence_parallel", "sequence_dim")
 
 
 class FSDP(Parallel):
@@ -94,10 +94,10 @@ class FSDP(Parallel):
             )
         # axes of size 1 (the trainer's dp=1) take the engine's free roles; a role left over gets a name
         # the mesh does not have
-        spare = iter([*others, *(f"_unused{i}" for i in range(2))])
+        spare = iter([*others, *(f"_unused{i}" for i in range(3))])
         roles = {"dp_axis": dp_axis if dp_axis is not None else next(spare), "fsdp_axis": axis}
         object.__setattr__(self, "replica_axis", dp_axis)
-        super().__init__(mesh, **roles, tp_axis=next(spare), **options)
+        super().__init__(mesh, **roles, tp_axis=next(spare), cp_axis=next(spare), **options)
 
     @property
     def axis(self) -> str:

@@ -108,6 +108,13 @@ class Options:
         computed with (`metrics["weights_used"]`, `metrics["weights_used_backward"]`; a test probe
         that costs reductions per step).
       backend: the `jaxdist.comm` backend.
+      cp_axis: the context-parallel axis (docs/guides/context-parallel.md): each data rank's sequences are
+        cut into 2 cp chunks along dimension 1, rank r holding chunks r and 2 cp - 1 - r; every batch array
+        with the sequence along dimension 1 is cut alike, `batch["positions"]` (the tokens' global positions)
+        is added when absent, and the model's `jax.nn.dot_product_attention` calls see the keys and values of
+        every cp rank (`jaxdist.cp`). Gradients average over it like a data axis.
+      cp_whole: batch keys every cp rank sees whole (not cut): arrays the model builds its attention mask
+        from over the whole sequence, such as the document ids of packed sequences.
     """
 
     mesh: jax.sharding.Mesh
@@ -129,6 +136,8 @@ class Options:
     skip_nonfinite: bool | None = None
     record_weights: bool = False
     backend: str | None = None
+    cp_axis: str = "cp"
+    cp_whole: tuple[str, ...] = ("segment_ids",)
 
     def __post_init__(self):
         names = self.mesh.axis_names
@@ -143,8 +152,8 @@ class Options:
         if unknown:
             raise ValueError(
                 f"Parallel: mesh axes {unknown} are none of dp_axis={self.dp_axis!r}, fsdp_axis={self.fsdp_axis!r}, "
-                f"tp_axis={self.tp_axis!r}; name the mesh axes after them or pass the names (a pipeline axis: "
-                "jaxdist.pipeline.Pipelined)"
+                f"tp_axis={self.tp_axis!r}, cp_axis={self.cp_axis!r}; name the mesh axes after them or pass the "
+                "names (a pipeline axis: jaxdist.pipeline.Pipelined)"
             )
         if self.tp > 1 and self.plan is None:
             raise ValueError(f"Parallel: the {self.tp_axis!r} axis has size {self.tp}; pass plan=TPPlan(...)")
@@ -177,7 +186,7 @@ class Options:
 
     def axis_roles(self) -> dict[str, str]:
         """The mesh axis of each role these options place work on (a subclass adding an axis extends it)."""
-        return {"dp_axis": self.dp_axis, "fsdp_axis": self.fsdp_axis, "tp_axis": self.tp_axis}
+        return {"dp_axis": self.dp_axis, "fsdp_axis": self.fsdp_axis, "tp_axis": self.tp_axis, "cp_axis": self.cp_axis}
 
     def size(self, axis: str) -> int:
         """The size of mesh axis `axis`; 1 for an axis the mesh does not have."""
@@ -189,27 +198,38 @@ class Options:
         return self.size(self.tp_axis)
 
     @property
+    def cp(self) -> int:
+        """The context-parallel size."""
+        return self.size(self.cp_axis)
+
+    @property
     def data_axes(self) -> tuple[str, ...]:
         """The data axes of size > 1 (an axis of size 1 would only add no-op collectives and the
-        packing of their buffers to every step)."""
-        return tuple(a for a in (self.dp_axis, self.fsdp_axis) if self.size(a) > 1)
+        packing of their buffers to every step); cp is one: its ranks hold other tokens of the batch."""
+        return tuple(a for a in (self.dp_axis, self.fsdp_axis, self.cp_axis) if self.size(a) > 1)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The data axes the batch's rows split over (cp splits the sequence instead)."""
+        return tuple(a for a in self.data_axes if a != self.cp_axis)
 
     @property
     def data_ranks(self) -> int:
-        """How many ways the batch splits: the product of the data axes' sizes."""
+        """How many ranks the loss and gradients average over: the product of the data axes' sizes."""
         return int(np.prod([self.size(a) for a in self.data_axes]))
 
     @property
     def batch_spec(self) -> P:
-        """Where the batch (and a per-example value) lives: its leading dimension split over the data axes."""
-        return P(axis_arg(self.data_axes)) if self.data_axes else P()
+        """Where the batch (and a per-example value) lives: its leading dimension split over the batch axes."""
+        return P(axis_arg(self.batch_axes)) if self.batch_axes else P()
 
     def local_batch(self, batch):
-        """One data rank's avals of a global `batch` (prepare's example or a step's); a batch that does
-        not split over the data axes raises, naming the fix. A strategy that splits the batch further
-        (the pipeline's micro-batches) checks that here too."""
-        fix = f"the {self.data_ranks} devices of the data axes {self.data_axes}; change the batch size"
-        return local_batch_avals(batch, self.data_ranks, type(self).__name__, fix)
+        """One data rank's avals of a global `batch` (prepare's example or a step's), the whole sequence
+        (cp cuts it inside the step); a batch that does not split over the batch axes raises, naming the
+        fix. A strategy that splits the batch further (the pipeline's micro-batches) checks that here too."""
+        rows = int(np.prod([self.size(a) for a in self.batch_axes]))
+        fix = f"the {rows} devices of the data axes {self.batch_axes}; change the batch size"
+        return local_batch_avals(batch, rows, type(self).__name__, fix)
 
     @property
     def storage_axis(self) -> str | None:

@@ -45,6 +45,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxdist import cp
 from jaxdist.core.compat import on_mesh
 from jaxdist.core.model_state import training_copy
 from jaxdist.core.per_leaf import check_per_leaf, owners
@@ -62,7 +63,7 @@ __all__ = ["EngineParts", "Parallel", "ParallelRun", "Units"]
 
 @dataclasses.dataclass(frozen=True)
 class Parallel(Options):
-    """DP x FSDP x TP training over the mesh axes that exist: the options (every attribute is
+    """DP x FSDP x TP x CP training over the mesh axes that exist: the options (every attribute is
     documented at `jaxdist.engine.options.Options`) and `prepare`, which applies them to a model."""
 
     def prepare(self, model: nnx.Module, optimizer: optax.GradientTransformation, units: Units, batch):
@@ -154,7 +155,10 @@ class EngineParts:
 
     def placed_step(self, local_grads: Callable, aux_specs=None) -> tuple[Callable, PlacedStep]:
         """The train step around the per-device program `local_grads` (`jaxdist.engine.step.train_step`),
-        and that step jitted with the batch placed and checked (`PlacedStep`)."""
+        and that step jitted with the batch placed and checked (`PlacedStep`). Under cp the program sees its
+        rank's chunks of the sequence and the model's attention the whole context (`per_cp_rank`)."""
+        if self.cfg.cp > 1:
+            local_grads = per_cp_rank(self.cfg, self.code.cp_length, local_grads)
         step = train_step(self.cfg, self.layout, self.optimizer, self.state_shardings, local_grads, aux_specs)
         return step, PlacedStep(step, self.layout.sharding(self.cfg.batch_spec), check=self.cfg.local_batch)
 
@@ -182,6 +186,19 @@ class EngineParts:
     def model(self, state: TrainState) -> nnx.Module:
         full, model_state = self.replicated(state.params, state.model_state)
         return nnx.merge(self.split.graphdef, self.as_params(full), self.split.rest_of(model_state))
+
+
+def per_cp_rank(cfg: Options, length: int, local_grads: Callable) -> Callable:
+    """`local_grads` on this device's cp rank: its chunks of the sequence (`jaxdist.cp.local_batch`), with
+    the model's `jax.nn.dot_product_attention` over the whole context (`jaxdist.cp.attention_over`)."""
+
+    def on_rank(params, model_state, step, batch, *opt_state):
+        rank = jax.lax.axis_index(cfg.cp_axis)
+        batch = cp.local_batch(batch, rank, cfg.cp, length, cfg.cp_whole)
+        with cp.attention_over(cfg.cp_axis, cfg.cp, length, cfg.backend, type(cfg).__name__):
+            return local_grads(params, model_state, step, batch, *opt_state)
+
+    return on_rank
 
 
 class ParallelRun:

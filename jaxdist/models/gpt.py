@@ -119,8 +119,11 @@ class GPT(nnx.Module):
         self.ln_f = nnx.LayerNorm(cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
         self.head = None if cfg.tie_embeddings else _dense(cfg, cfg.d_model, cfg.vocab_size, rngs)
 
-    def embed(self, tokens: jax.Array) -> jax.Array:
-        return self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))[None]
+    def embed(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Token plus position embeddings; `positions` ([batch, tokens]) default to 0, 1, ..."""
+        if positions is None:
+            return self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))[None]
+        return self.wte(tokens) + self.wpe(positions)
 
     def logits(self, x: jax.Array) -> jax.Array:
         x = self.ln_f(x)
@@ -151,14 +154,16 @@ class GPT(nnx.Module):
 
 
 def embed_inputs(model: GPT, batch: dict) -> jax.Array:
-    """The first unit: embeddings of every token but the last."""
-    return model.embed(batch["tokens"][:, :-1])
+    """The first unit: embeddings of every token but the last (of `batch["tokens"]` itself when the batch
+    has `labels`: `next_token_batch`), at `batch["positions"]` when given."""
+    tokens = batch["tokens"] if "labels" in batch else batch["tokens"][:, :-1]
+    return model.embed(tokens, batch.get("positions"))
 
 
 def head_loss(model: GPT, x: jax.Array, batch: dict) -> jax.Array:
-    """The last unit: mean cross-entropy of predicting `batch["tokens"][:, 1:]` (float32 math), in
-    chunks of `cfg.loss_chunk` tokens where set."""
-    labels = batch["tokens"][:, 1:]
+    """The last unit: mean cross-entropy of predicting `batch["tokens"][:, 1:]` (or `batch["labels"]`:
+    `next_token_batch`), float32 math, in chunks of `cfg.loss_chunk` tokens where set."""
+    labels = batch["labels"] if "labels" in batch else batch["tokens"][:, 1:]
     chunk = getattr(getattr(model, "cfg", None), "loss_chunk", None)
     if chunk is not None:
         return chunked_cross_entropy(model.logits, x, labels, chunk)
@@ -190,6 +195,13 @@ def chunked_cross_entropy(logits_fn, x: jax.Array, labels: jax.Array, chunk: int
 
     total, _ = jax.lax.scan(add, jnp.zeros((), jnp.float32), (xs, ys, real))
     return total / n
+
+
+def next_token_batch(batch: dict) -> dict:
+    """`{"tokens": [B, T + 1]}` as inputs and targets of one length, `{"tokens": [B, T], "labels": [B, T]}`:
+    the layout context parallelism cuts along the sequence (the units read both layouts alike)."""
+    tokens = batch["tokens"]
+    return {**batch, "tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
 
 
 def next_token_loss(model: GPT, batch: dict) -> jax.Array:

@@ -112,7 +112,7 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class ParallelConfig:
-    dp: int = _key(-1, "data-parallel size", at_least(1, also=((-1, "every device not used by fsdp, tp and pp"),)))
+    dp: int = _key(-1, "data-parallel size", at_least(1, also=((-1, "every device not used by fsdp, tp, cp and pp"),)))
     fsdp: int = _key(1, "FSDP size (> 1: FSDP, HSDP with dp > 1)", COUNT)
     tp: int = _key(1, "tensor-parallel size (> 1: DP x TP)", COUNT)
     zero1: bool = _key(True, "DDP: shard the optimizer state (FSDP and TP always do)")
@@ -131,6 +131,7 @@ class ParallelConfig:
         "dtype the collectives move: param (the parameters') or compute (model.dtype: weights gathered and "
         "gradients reduced in it, half the bytes with bfloat16, as XLA's automatic sharding does)",
     )
+    cp: int = _key(1, "context-parallel size (> 1: sequences split over cp; seq_len must divide by 2 cp)", COUNT)
     pp: int = _key(1, "pipeline-parallel size (> 1: the model's blocks split into pp x virtual stages)", COUNT)
     microbatches: int = _key(4, "pipeline: micro-batches per data rank's batch", COUNT)
     schedule: str = _key("1f1b", "pipeline schedule: 1f1b, gpipe or interleaved")
@@ -313,6 +314,10 @@ def validate(cfg: TrainConfig) -> None:
             "parallel.remat=false (keep activations) does not work with parallel.pp > 1: a stage's backward "
             "recomputes its forward; set it to auto"
         )
+    if cfg.parallel.cp > 1 and cfg.optim.accumulation_steps > 1:
+        raise ConfigError("optim.accumulation_steps > 1 works with DDP only; set it to 1 with parallel.cp > 1")
+    if cfg.parallel.cp > 1 and cfg.parallel.update_in_backward:
+        raise ConfigError("parallel.update_in_backward works with FSDP alone; set it to false with parallel.cp > 1")
     if cfg.parallel.update_in_backward and cfg.optim.max_grad_norm > 0:
         # the strategy updates each unit before the global gradient norm exists, so clipping would be dropped
         raise ConfigError(

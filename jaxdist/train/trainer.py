@@ -4,7 +4,9 @@
 strategy: tp > 1 gives the unit engine with the model family's TP plan (DP x TP with
 ZeRO-1 over dp, or FSDP x TP, HSDP x TP with fsdp > 1), fsdp > 1 alone the
 engine's ZeRO-3 (HSDP with dp > 1; FSDP with parallel.update_in_backward),
-otherwise DDP (ZeRO-1 unless parallel.zero1=false).
+otherwise DDP (ZeRO-1 unless parallel.zero1=false). cp > 1 adds a context-parallel
+axis to the unit engine (or the pipeline); its batches are the GPT's
+`next_token_batch` layout.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.models import families
 from jaxdist.models.families import FAMILIES
+from jaxdist.models.gpt import GPT, next_token_batch
 from jaxdist.train import hf_init, hooks, memory, run_dir
 from jaxdist.train import metrics as metrics_lib
 from jaxdist.train import schedule as schedule_lib
@@ -118,14 +121,15 @@ def check_backend(cfg: TrainConfig, devices) -> None:
 def make_mesh(cfg: TrainConfig, devices) -> jax.sharding.Mesh:
     p = cfg.parallel
     n = len(devices)
-    for name in ("fsdp", "tp", "pp"):
+    for name in ("fsdp", "tp", "cp", "pp"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
-    dp = p.dp if p.dp > 0 else n // (p.fsdp * p.tp * p.pp)
-    if dp < 1 or dp * p.fsdp * p.tp * p.pp != n:
-        pp = f" x pp = {p.dp} x {p.fsdp} x {p.tp} x {p.pp}" if p.pp > 1 else f" = {p.dp} x {p.fsdp} x {p.tp}"
+    dp = p.dp if p.dp > 0 else n // (p.fsdp * p.tp * p.cp * p.pp)
+    if dp < 1 or dp * p.fsdp * p.tp * p.cp * p.pp != n:
+        names = ["dp", "fsdp", "tp"] + [k for k in ("cp", "pp") if getattr(p, k) > 1]
+        sizes = " x ".join(str(getattr(p, k)) for k in names)
         raise ConfigError(
-            f"parallel.dp x fsdp x tp{pp} does not multiply to the {n} devices; "
+            f"parallel.{' x '.join(names)} = {sizes} does not multiply to the {n} devices; "
             f"pick sizes whose product is {n} (dp=-1 fills in the rest)"
         )
     if p.tp > 1 and p.fsdp > 1:
@@ -136,6 +140,9 @@ def make_mesh(cfg: TrainConfig, devices) -> jax.sharding.Mesh:
         shape, names = (dp, p.fsdp), ("dp", "fsdp")
     else:
         shape, names = (dp,), ("dp",)
+    if p.cp > 1:  # inside the data axes, outside tp: tp's collectives are the most frequent
+        at = len(shape) - (1 if p.tp > 1 else 0)
+        shape, names = (*shape[:at], p.cp, *shape[at:]), (*names[:at], "cp", *names[at:])
     if p.pp > 1:  # the pipeline axis outermost: its neighbours exchange the least
         shape, names = (p.pp, *shape), ("pp", *names)
     return jax.make_mesh(shape, names, devices=devices)
@@ -173,9 +180,20 @@ def parallelize(cfg: TrainConfig, mesh, model, optimizer, batch):
         from jaxdist.comm import nccl
 
         nccl.init(mesh)
+    if p.cp > 1 and not isinstance(model, GPT):
+        # the decoders' packed batches carry positions and document ids of T + 1 tokens, a layout the
+        # trainer does not yet cut for cp (jaxdist.engine.Parallel(cp_axis=...) takes such models directly)
+        raise ConfigError(
+            f"parallel.cp > 1 trains model.family=gpt in the trainer; set parallel.cp=1 for {cfg.model.family}"
+        )
+    if p.cp > 1 and model.cfg.seq_len % (2 * p.cp):
+        raise ConfigError(
+            f"model.seq_len={model.cfg.seq_len} must divide into 2 x parallel.cp = {2 * p.cp} equal chunks; "
+            "change model.seq_len or parallel.cp"
+        )
     if p.pp > 1:
         return _pipelined(cfg, mesh, model, optimizer, batch, clip)
-    if p.tp > 1 or (p.fsdp > 1 and not p.update_in_backward):
+    if p.tp > 1 or p.cp > 1 or (p.fsdp > 1 and not p.update_in_backward):
         # the unit engine: the family's TP plan (tp > 1), then the data axes' storage: ZeRO-3 over fsdp, else
         # ZeRO-1 over dp
         if p.update_in_backward:
@@ -231,6 +249,11 @@ def _comm_dtype(cfg: TrainConfig) -> np.dtype | None:
     return jnp.dtype(cfg.model.dtype) if cfg.parallel.comm_dtype == "compute" else None
 
 
+def _next_token_batches(sharding):
+    """The loader's batches in `next_token_batch`'s layout, on `sharding` (one small program per step)."""
+    return jax.jit(next_token_batch, out_shardings=sharding)
+
+
 def _remat_option(value: bool | str) -> bool | None:
     """`parallel.remat` as the engine's `remat`: "auto" is None (keep activations where the weights are
     kept, recompute under FSDP), true / false force recomputing / keeping."""
@@ -275,7 +298,7 @@ def _pipelined(cfg: TrainConfig, mesh, model, optimizer, batch, clip):
 def layout_of(cfg: TrainConfig, mesh) -> dict:
     """The mesh and strategy options a run trains with (recorded with each checkpoint; any layout restores it)."""
     p = cfg.parallel
-    keys = ("fsdp", "tp", "zero1", "bucket_mb", "update_in_backward")
+    keys = ("fsdp", "tp", "cp", "zero1", "bucket_mb", "update_in_backward")
     layout = {"mesh": dict(mesh.shape), **{k: getattr(p, k) for k in keys}, "dtype": cfg.model.dtype}
     if p.fsdp > 1:  # FSDP stores the parameter tree (the unit engine's), no longer flat unit vectors
         layout["storage"] = "parameter tree"
@@ -353,7 +376,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
     """`train` in the locked run directory `out_dir`."""
     source = hooks.source(cfg, "train", mcfg, out_dir)
     hooks.check_sample_prompt(cfg, mcfg, source)
-    batch_axes = tuple(n for n in mesh.axis_names if n not in ("tp", "pp"))
+    batch_axes = tuple(n for n in mesh.axis_names if n not in ("tp", "pp", "cp"))  # cp splits sequences, not rows
     batch_sharding = NamedSharding(mesh, P(batch_axes))
     n_batch = int(np.prod([mesh.shape[a] for a in batch_axes])) * cfg.optim.accumulation_steps
     if cfg.data.batch_size % n_batch:
@@ -383,6 +406,8 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
     nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))
     loader = hooks.Loader(source, cfg.data.batch_size, batch_sharding)
     example = {"tokens": np.zeros(loader.shape, np.int32)}
+    if cfg.parallel.cp > 1:  # inputs and targets of one length, which cp cuts along the sequence
+        example = next_token_batch(example)
     evaluator = hooks.evaluator(cfg, mcfg, out_dir, batch_sharding)
     decay_steps = schedule_lib.decay_steps(cfg, meta, start)
     optimizer, schedule = make_optimizer(cfg, decay_steps)
@@ -442,6 +467,8 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
     # another data.batch_size continues the stream at the next sample, skipping and repeating none
     first_sample = hooks.samples_before(meta, start, cfg.data.batch_size)
     batches = loader.batches(start, offset=first_sample - start * cfg.data.batch_size)
+    if cfg.parallel.cp > 1:
+        batches = map(_next_token_batches(batch_sharding), batches)
     stop = _StopRequests()
     skips = _NonFiniteSteps(cfg, ckpt)
     try:
