@@ -15,7 +15,7 @@ import pytest
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from tests.meshes import cpu_mesh
+from support.meshes import cpu_mesh
 
 from jaxdist import comm
 from jaxdist.comm import nccl

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from tests.meshes import cpu_mesh
+from support.meshes import cpu_mesh
 
 from jaxdist import comm
 from jaxdist.comm import Handle

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from tests.meshes import MESH_AXES, cpu_mesh, mesh_axes_id
+from support.meshes import MESH_AXES, cpu_mesh, mesh_axes_id
 
 from jaxdist import comm
 

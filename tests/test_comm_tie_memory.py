@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from tests.meshes import cpu_mesh
+from support.meshes import cpu_mesh
 
 from jaxdist import comm
 

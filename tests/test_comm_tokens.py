@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from tests.meshes import cpu_mesh
+from support.meshes import cpu_mesh
 
 from jaxdist import comm
 

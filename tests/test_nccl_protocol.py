@@ -151,7 +151,7 @@ def test_a_missing_nccl_library_gives_a_clear_error(monkeypatch):
 def test_the_nccl_backend_without_gpus_says_to_use_xla():
     import jax
     import jax.numpy as jnp
-    from tests.meshes import cpu_mesh
+    from support.meshes import cpu_mesh
 
     from jaxdist import comm
 
