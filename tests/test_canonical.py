@@ -10,22 +10,13 @@ import jax
 import numpy as np
 import optax
 import pytest
-from support.layouts import DATA, LAYOUTS, OPTIMIZER, SPLIT, batches, make_model
-from test_ddp import assert_params_close
-from test_engine import reference_run
+from support.layouts import DATA, LAYOUTS, OPTIMIZER, SPLIT, batches, make_model, trained
+from support.reference import assert_params_close, train_single_device
 
 from jaxdist.models.gpt import next_token_loss
 
 STEPS = 3
 SGD_MOMENTUM = optax.sgd(0.1, momentum=0.9)
-
-
-def trained(layout, optimizer, data):
-    run = LAYOUTS[layout](make_model(), optimizer, data[0])
-    state = run.state
-    for batch in data:
-        state, _ = run.step(state, batch)
-    return run, state
 
 
 def assert_opt_close(actual, expected):
@@ -63,7 +54,7 @@ def test_canonical_state_is_the_single_device_state_and_round_trips_exactly(trai
         run, state = trained(layout, OPTIMIZERS[optimizer], data)
         canonical = run.canonical(state)
     optimizer = OPTIMIZERS[optimizer]
-    _, ref_params, _, ref_opt = reference_run(make_model, next_token_loss, data, optimizer)
+    _, ref_params, _, ref_opt = train_single_device(make_model, next_token_loss, data, optimizer)
     assert_params_close(canonical.params, ref_params)
     assert_opt_close(canonical.opt_state, ref_opt)
     assert int(canonical.step) == STEPS

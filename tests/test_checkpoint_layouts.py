@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 from support.layouts import DATA, SPLIT, Trained
-from test_ddp import assert_params_close
+from support.reference import assert_params_close
 
 CHAIN = ["ddp8", "zero1-8", "fsdp8", "hsdp2x4", "dp4xtp2", "fsdp-tp2x2x2", "one"]
 PAIRS = [(a, b) for a, b in zip(CHAIN, CHAIN[1:] + CHAIN[:1], strict=True)]

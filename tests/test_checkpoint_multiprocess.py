@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from test_train import BASE as TRAIN_BASE
+from support.trainer_runs import BASE as TRAIN_BASE
 
 from jaxdist.train import config as config_lib
 from jaxdist.train.trainer import train

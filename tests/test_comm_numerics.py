@@ -13,59 +13,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.comm_ops import OPS, chain_perm, run_all_ops
 from support.meshes import MESH_AXES, cpu_mesh, mesh_axes_id
-
-from jaxdist import comm
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "int32": jnp.int32}
 # (local shape, gather/untiled axis, scatter axis): reduce_scatter needs a dim divisible by 8
 SHAPES = {"16x3": ((16, 3), 1, 0), "2x8x4": ((2, 8, 4), 0, 1)}
-
-OPS = [
-    "all_reduce_sum",
-    "all_reduce_mean",
-    "all_reduce_max",
-    "all_reduce_min",
-    "all_gather_tiled",
-    "all_gather_stacked",
-    "reduce_scatter_sum",
-    "reduce_scatter_mean",
-    "sendrecv",
-    "async_all_reduce",
-    "async_all_gather",
-    "async_reduce_scatter",
-    "async_sendrecv",
-]
-
-
-def _perm(n: int):
-    # a chain 0 -> 1 -> ... -> n-1: rank 0 only sends, rank n-1 only receives
-    return [(i, i + 1) for i in range(n - 1)]
-
-
-def _run_all_ops(x, axis, n, gather_axis, scatter_axis, integer):
-    tok = comm.token()
-    out = {}
-    for op in ("sum", "mean", "max", "min"):
-        if op == "mean" and integer:
-            continue
-        out[f"all_reduce_{op}"], tok = comm.all_reduce(x, axis, tok, op=op)
-    out["all_gather_tiled"], tok = comm.all_gather(x, axis, tok, axis=gather_axis)
-    out["all_gather_stacked"], tok = comm.all_gather(x, axis, tok, axis=gather_axis, tiled=False)
-    for op in ("sum", "mean"):
-        if op == "mean" and integer:
-            continue
-        out[f"reduce_scatter_{op}"], tok = comm.reduce_scatter(x, axis, tok, op=op, scatter_axis=scatter_axis)
-    out["sendrecv"], tok = comm.sendrecv(x, axis, tok, perm=_perm(n))
-    # async pairs, all in flight at once, waited in reverse order
-    handles = {}
-    handles["async_all_reduce"], tok = comm.all_reduce_start(x, axis, tok)
-    handles["async_all_gather"], tok = comm.all_gather_start(x, axis, tok, axis=gather_axis)
-    handles["async_reduce_scatter"], tok = comm.reduce_scatter_start(x, axis, tok, scatter_axis=scatter_axis)
-    handles["async_sendrecv"], tok = comm.sendrecv_start(x, axis, tok, perm=_perm(n))
-    for name in reversed(list(handles)):
-        out[name], tok = comm.wait(handles[name], tok)
-    return out
 
 
 @functools.cache
@@ -87,7 +40,7 @@ def _results(case_index: int, dtype_name: str, shape_name: str, random_floats: b
 
     def body(block):
         x = block.reshape(local)
-        out = _run_all_ops(x, axis, n, gather_axis, scatter_axis, integer)
+        out = run_all_ops(x, axis, n, gather_axis, scatter_axis, integer)
         return {k: v.reshape(lead + v.shape) for k, v in out.items()}
 
     spec = P(*names)
@@ -107,7 +60,7 @@ def _reference(g, mesh_shape, names, group, gather_axis, scatter_axis, n):
     gm = gm.reshape((n,) + gm.shape[len(gdims) :])
     total = gm.sum(0)
     ranks = range(n)
-    perm = dict((d, s) for s, d in _perm(n))
+    perm = dict((d, s) for s, d in chain_perm(n))
     per_rank = {
         "all_reduce_sum": [total] * n,
         "all_reduce_mean": [total / n] * n,

@@ -21,84 +21,14 @@ import pytest
 from flax import nnx
 from support.hlo_schedule import entry_schedule, positions
 from support.meshes import cpu_mesh
+from support.models import MLP, WithUnusedLayers, make_case, mlp_loss
+from support.reference import LOSS_RTOL, assert_params_close, train_single_device
+from support.runs import ddp_run
 
 from jaxdist.ddp.run import DDP
-from jaxdist.models.gpt import GPT, GPTConfig, next_token_loss
 
 LR = 1e-3
 STEPS = 5
-LOSS_RTOL, PARAM_ATOL, PARAM_MEAN_ATOL = 5e-6, 1e-4, 5e-7
-
-
-class MLP(nnx.Module):
-    def __init__(self, n_layers: int, dim: int, rngs: nnx.Rngs):
-        self.layers = nnx.List([nnx.Linear(dim, dim, precision="highest", rngs=rngs) for _ in range(n_layers)])
-
-    def __call__(self, x):
-        for layer in self.layers:
-            x = jnp.tanh(layer(x))
-        return x
-
-
-def mlp_loss(model, batch):
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-
-GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=2)
-
-
-def make_case(name: str, n_batches: int, batch_size: int = 16, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    if name == "gpt":
-        batches = [{"tokens": rng.integers(0, 64, (batch_size, 17)).astype(np.int32)} for _ in range(n_batches)]
-        return (lambda: GPT(GPT_CFG, nnx.Rngs(0))), next_token_loss, batches
-    batches = [
-        {
-            "x": rng.normal(size=(batch_size, 32)).astype(np.float32),
-            "y": rng.normal(size=(batch_size, 32)).astype(np.float32),
-        }
-        for _ in range(n_batches)
-    ]
-    return (lambda: MLP(4, 32, nnx.Rngs(0))), mlp_loss, batches
-
-
-def reference_run(make_model, loss_fn, batches, optimizer):
-    """Plain single-device training: one value_and_grad over the whole batch, then optax."""
-    graphdef, params, rest = nnx.split(make_model(), nnx.Param, ...)
-    opt_state = optimizer.init(params)
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), batch))(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    device = jax.devices("cpu")[0]
-    params, opt_state = jax.device_put((params, opt_state), device)
-    losses = []
-    for batch in batches:
-        params, opt_state, loss = step(params, opt_state, jax.device_put(batch, device))
-        losses.append(float(loss))
-    return losses, params
-
-
-def ddp_run(cfg: DDP, make_model, loss_fn, batches, optimizer):
-    run = cfg.prepare(make_model(), optimizer, loss_fn, batches[0])
-    state, losses, metrics = run.state, [], []
-    for batch in batches:
-        state, m = run.step(state, batch)
-        losses.append(float(m["loss"]))
-        metrics.append(m)
-    return losses, run.params(state), run, state, metrics
-
-
-def assert_params_close(actual, expected, atol=PARAM_ATOL):
-    a, e = jax.tree.leaves(actual), jax.tree.leaves(expected)
-    assert len(a) == len(e)
-    for x, y in zip(a, e, strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=atol)
-    diffs = np.concatenate([np.abs(np.asarray(x) - np.asarray(y)).ravel() for x, y in zip(a, e, strict=True)])
-    assert diffs.mean() < PARAM_MEAN_ATOL, diffs.mean()
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +48,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("zero1", [False, True], ids=["ddp", "zero1"])
 def test_matches_single_device(mesh, model, zero1, opt):
     make_model, loss_fn, batches = make_case(model, STEPS)
-    ref_losses, ref_params = reference_run(make_model, loss_fn, batches, OPTIMIZERS[opt]())
+    ref_losses, ref_params, *_ = train_single_device(make_model, loss_fn, batches, OPTIMIZERS[opt]())
     losses, params, run, _, _ = ddp_run(
         DDP(mesh, zero1=zero1, bucket_size=1000), make_model, loss_fn, batches, OPTIMIZERS[opt]()
     )
@@ -194,7 +124,7 @@ def test_zero1_shards_the_optimizer_state(mesh):
 
 def test_accumulation_equals_one_big_batch(mesh):
     make_model, loss_fn, batches = make_case("mlp", 3, batch_size=32)
-    ref_losses, ref_params = reference_run(make_model, loss_fn, batches, optax.adam(LR))
+    ref_losses, ref_params, *_ = train_single_device(make_model, loss_fn, batches, optax.adam(LR))
     for zero1 in (False, True):
         cfg = DDP(mesh, zero1=zero1, bucket_size=2000, accumulation_steps=4)
         losses, params, *_ = ddp_run(cfg, make_model, loss_fn, batches, optax.adam(LR))
@@ -223,20 +153,6 @@ def test_accumulation_averages_the_micro_batch_gradients(mesh, zero1, average_in
     assert float(m["grad_norm"]) == pytest.approx(np.sqrt(n), rel=1e-6)
 
 
-def sgd_reference(make_model, loss_fn, batches, lr: float, max_grad_norm: float | None):
-    """Single-device SGD on whole batches with plain jax: the losses, grad norms and final parameters."""
-    graphdef, params, rest = nnx.split(make_model(), nnx.Param, ...)
-    losses, norms = [], []
-    for batch in batches:
-        loss, grads = jax.value_and_grad(lambda p, b: loss_fn(nnx.merge(graphdef, p, rest), b))(params, batch)
-        norm = float(optax.tree.norm(grads))
-        scale = 1.0 if max_grad_norm is None else min(1.0, max_grad_norm / norm)
-        params = jax.tree.map(lambda p, g, s=scale: p - lr * s * g, params, grads)
-        losses.append(float(loss))
-        norms.append(norm)
-    return losses, norms, params
-
-
 @pytest.mark.parametrize(
     "zero1, average_in_collective, max_grad_norm, pack_buckets",
     [
@@ -255,7 +171,10 @@ def test_accumulation_with_sgd_matches_one_big_batch(mesh, zero1, average_in_col
     `pack_buckets=False` (one collective per parameter) must compute the same."""
     make_model, loss_fn, batches = make_case("mlp", 3, batch_size=32)
     lr = 0.5
-    ref_losses, ref_norms, ref_params = sgd_reference(make_model, loss_fn, batches, lr, max_grad_norm)
+    clip = [] if max_grad_norm is None else [optax.clip_by_global_norm(max_grad_norm)]
+    ref_losses, ref_params, ref_norms, _ = train_single_device(
+        make_model, loss_fn, batches, optax.chain(*clip, optax.sgd(lr))
+    )
     cfg = DDP(
         mesh,
         zero1=zero1,
@@ -303,7 +222,7 @@ def test_nonfinite_gradient_skips_the_step_and_reports_it(mesh, zero1):
         state, m = run.step(state, batch)
         assert not bool(m["skipped"])
     # equal to a run that never saw the poisoned batch
-    ref_losses, ref_params = reference_run(make_model, loss_fn, [batches[0], *batches[2:]], optax.adam(LR))
+    ref_losses, ref_params, *_ = train_single_device(make_model, loss_fn, [batches[0], *batches[2:]], optax.adam(LR))
     assert_params_close(run.params(state), ref_params)
 
 
@@ -359,7 +278,7 @@ def test_clipping_and_overlap_off_match_optax_clip(mesh, zero1):
     """max_grad_norm clips by the global norm of the reduced gradient, like optax.clip_by_global_norm
     on one device, also when each rank only holds a shard (zero1); turning overlap off changes nothing."""
     make_model, loss_fn, batches = make_case("gpt", 3)
-    ref_losses, ref_params = reference_run(
+    ref_losses, ref_params, *_ = train_single_device(
         make_model, loss_fn, batches, optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.5, momentum=0.9))
     )
     cfg = DDP(
@@ -369,17 +288,6 @@ def test_clipping_and_overlap_off_match_optax_clip(mesh, zero1):
     assert float(metrics[0]["grad_norm"]) > 0.05  # the clip is active
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     assert_params_close(params, ref_params)
-
-
-class WithUnusedLayers(nnx.Module):
-    """A used layer, then layers the loss never reads (a frozen or not yet used head, say)."""
-
-    def __init__(self, rngs: nnx.Rngs):
-        self.used = nnx.Linear(32, 32, rngs=rngs)
-        self.unused = nnx.List([nnx.Linear(32, 32, rngs=rngs) for _ in range(3)])
-
-    def __call__(self, x):
-        return self.used(x)
 
 
 def test_zero1_waits_every_gather_it_starts_and_gathers_no_bucket_the_forward_never_reads(mesh, monkeypatch):

@@ -19,8 +19,7 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from test_ddp import LOSS_RTOL, assert_params_close, reference_run
-from test_engine import reference
+from support.reference import LOSS_RTOL, assert_params_close, train_single_device
 
 from jaxdist.ddp.run import DDP
 
@@ -97,7 +96,7 @@ def test_zero1_with_a_tree_optimizer_matches_one_device(opt, mesh_name):
     if opt == "clip-by-global-norm":
         assert unclipped_norm(batches) > 10 * 0.1  # the clip binds
     make_model = lambda: Net(nnx.Rngs(0))
-    ref_losses, ref_params = reference_run(make_model, net_loss, batches, make_optimizer())
+    ref_losses, ref_params, *_ = train_single_device(make_model, net_loss, batches, make_optimizer())
     run = DDP(cpu_mesh(*MESHES[mesh_name]), zero1=True, bucket_size=300).prepare(
         make_model(), make_optimizer(), net_loss, batches[0]
     )
@@ -109,7 +108,7 @@ def test_zero1_with_a_tree_optimizer_matches_one_device(opt, mesh_name):
         norms.append(float(metrics["grad_norm"]))
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     # the reported norm is the whole gradient's (before any clip), as one device computes it
-    _, _, ref_norms = reference(make_model, net_loss, batches, make_optimizer())
+    _, _, ref_norms, _ = train_single_device(make_model, net_loss, batches, make_optimizer())
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
     assert_params_close(run.params(state), ref_params)
     initial = nnx.state(make_model(), nnx.Param)

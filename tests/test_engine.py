@@ -1,6 +1,6 @@
 """The unit engine (DP x FSDP x TP through a plan) against a single-device optax run.
 
-Every run is compared with `reference` below: the unmodified model, one
+Every run is compared with `support.reference.train_single_device`: the unmodified model, one
 value_and_grad over the whole global batch, the same optax transformation on
 the model's parameter tree (a pure dict), float32. Tolerances as in
 tests/test_ddp.py (losses rtol 5e-6; parameters atol 1e-4 per element and 5e-7
@@ -18,57 +18,16 @@ import pytest
 from flax import nnx
 from support.hlo_schedule import entry_schedule, positions
 from support.meshes import cpu_mesh
-from test_ddp import LOSS_RTOL, assert_params_close
+from support.models import GPT_CFG, MLP_PLAN, MLP_UNITS, ResMLP, gpt_batches, mlp_batches, mlp_loss
+from support.optimizers import adamw, path_optimizer
+from support.reference import LOSS_RTOL, assert_params_close, train_single_device
+from support.runs import engine_run
 
-from jaxdist.engine.run import Parallel, Units
-from jaxdist.models.gpt import GPT, UNITS, GPTConfig, next_token_loss, tp_plan_for
+from jaxdist.engine.run import Parallel
+from jaxdist.models.gpt import GPT, UNITS, next_token_loss, tp_plan_for
 from jaxdist.tp import plan as tp_plan
 
 STEPS = 5
-GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
-
-
-def gpt_batches(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return [{"tokens": rng.integers(0, 64, (16, 17)).astype(np.int32)} for _ in range(n)]
-
-
-def reference(make_model, loss_fn, batches, optimizer):
-    """Single device: the model's own loss over the global batch, optax on the pure parameter dict:
-    `(losses, params, grad norms)`."""
-    return reference_run(make_model, loss_fn, batches, optimizer)[:3]
-
-
-def reference_run(make_model, loss_fn, batches, optimizer):
-    """`reference`, and the optimizer state after the last step: `(losses, params, grad norms, opt_state)`."""
-    graphdef, params, rest = nnx.split(make_model(), nnx.Param, ...)
-    pure = nnx.to_pure_dict(params)
-    opt_state = optimizer.init(pure)
-
-    @jax.jit
-    def step(p, s, batch):
-        loss, g = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), batch))(p)
-        updates, s = optimizer.update(g, s, p)
-        return optax.apply_updates(p, updates), s, loss, optax.global_norm(g)
-
-    losses, norms = [], []
-    for batch in batches:
-        pure, opt_state, loss, norm = step(pure, opt_state, batch)
-        losses.append(float(loss))
-        norms.append(float(norm))
-    return losses, pure, norms, opt_state
-
-
-def engine_run(strategy: Parallel, make_model, units, batches, optimizer):
-    run = strategy.prepare(make_model(), optimizer, units, batches[0])
-    state, losses, metrics = run.state, [], []
-    for batch in batches:
-        state, m = run.step(state, batch)
-        losses.append(float(m["loss"]))
-        metrics.append(m)
-    return losses, nnx.to_pure_dict(run.params(state)), run, state, metrics
-
-
 # -- the GPT on every mesh shape -----------------------------------------------------------
 
 MESHES = {
@@ -83,12 +42,10 @@ def gpt_reference():
     out = {}
     for tie in (False, True):
         cfg = dataclasses.replace(GPT_CFG, tie_embeddings=tie)
-        out[tie] = reference(lambda cfg=cfg: GPT(cfg, nnx.Rngs(0)), next_token_loss, gpt_batches(STEPS), adamw())
+        out[tie] = train_single_device(
+            lambda cfg=cfg: GPT(cfg, nnx.Rngs(0)), next_token_loss, gpt_batches(STEPS), adamw()
+        )
     return out
-
-
-def adamw():
-    return optax.adamw(1e-3, weight_decay=0.1)
 
 
 @pytest.mark.parametrize("seqpar", [False, True], ids=["", "seqpar"])
@@ -99,7 +56,7 @@ def test_gpt_matches_single_device(gpt_reference, mesh_name, seqpar):
     cfg = dataclasses.replace(GPT_CFG, tie_embeddings=tie)
     strategy = Parallel(cpu_mesh(shape, names), plan=tp_plan_for(cfg), sequence_parallel=seqpar)
     losses, params, *_ = engine_run(strategy, lambda: GPT(cfg, nnx.Rngs(0)), UNITS, gpt_batches(STEPS), adamw())
-    ref_losses, ref_params, _ = gpt_reference[tie]
+    ref_losses, ref_params, _, _ = gpt_reference[tie]
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     assert_params_close(params, ref_params)
 
@@ -107,68 +64,9 @@ def test_gpt_matches_single_device(gpt_reference, mesh_name, seqpar):
 # -- a model that is not the GPT, with its own plan and any optax chain ------------------------
 
 
-class ResBlock(nnx.Module):
-    def __init__(self, d: int, f: int, rngs: nnx.Rngs):
-        self.norm = nnx.LayerNorm(d, rngs=rngs)
-        self.up = nnx.Linear(d, f, rngs=rngs)
-        self.down = nnx.Linear(f, d, rngs=rngs)
-
-    def __call__(self, x):
-        return x + self.down(jax.nn.relu(self.up(self.norm(x))))
-
-
-class ResMLP(nnx.Module):
-    """Odd input and output widths: some parameters cannot be split over the data axes."""
-
-    def __init__(self, rngs: nnx.Rngs, d_in: int = 5, d: int = 16, f: int = 24, d_out: int = 6, layers: int = 3):
-        self.inp = nnx.Linear(d_in, d, rngs=rngs)
-        self.layers = nnx.List([ResBlock(d, f, rngs) for _ in range(layers)])
-        self.out = nnx.Linear(d, d_out, rngs=rngs)
-
-    def __call__(self, x):
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.out(x)
-
-
-MLP_PLAN = tp_plan.TPPlan(
-    {"layers/*/up": tp_plan.column(), "layers/*/down": tp_plan.row(), "out": tp_plan.column(gather_output=True)}
-)
-MLP_UNITS = Units(
-    embed=lambda m, b: m.inp(b["x"]),
-    head_loss=lambda m, x, b: jnp.mean((m.out(x) - b["y"]) ** 2),
-    blocks="layers",
-)
-
-
-def mlp_loss(model, batch):
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-
-def mlp_batches(n, seed=1):
-    rng = np.random.default_rng(seed)
-    return [
-        {"x": rng.normal(size=(16, 5)).astype(np.float32), "y": rng.normal(size=(16, 6)).astype(np.float32)}
-        for _ in range(n)
-    ]
-
-
-def path_optimizer(max_norm: float):
-    """Global-norm clipping, then SGD for the blocks and AdamW with weight decay on kernels only."""
-    is_kernel = lambda p: jax.tree_util.tree_map_with_path(lambda path, _: "kernel" in str(path[-1]), p)
-    label = lambda p: jax.tree_util.tree_map_with_path(lambda path, _: "sgd" if "layers" in str(path) else "adam", p)
-    adam = optax.chain(
-        optax.scale_by_adam(), optax.masked(optax.add_decayed_weights(0.1), is_kernel), optax.scale(-1e-2)
-    )
-    return optax.chain(
-        optax.clip_by_global_norm(max_norm), optax.multi_transform({"sgd": optax.sgd(0.1), "adam": adam}, label)
-    )
-
-
 @pytest.fixture(scope="module")
 def mlp_reference():
-    return reference(lambda: ResMLP(nnx.Rngs(0)), mlp_loss, mlp_batches(STEPS), path_optimizer(0.5))
+    return train_single_device(lambda: ResMLP(nnx.Rngs(0)), mlp_loss, mlp_batches(STEPS), path_optimizer(0.5))
 
 
 @pytest.mark.parametrize(
@@ -190,7 +88,7 @@ def test_any_optax_chain_is_exact_on_a_model_that_is_not_the_gpt(mlp_reference, 
     losses, params, _, _, metrics = engine_run(
         strategy, lambda: ResMLP(nnx.Rngs(0)), MLP_UNITS, mlp_batches(STEPS), path_optimizer(0.5)
     )
-    ref_losses, ref_params, ref_norms = mlp_reference
+    ref_losses, ref_params, ref_norms, _ = mlp_reference
     assert min(ref_norms) > 0.5  # the clip is active every step
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     np.testing.assert_allclose([float(m["grad_norm"]) for m in metrics], ref_norms, rtol=1e-5)
@@ -201,7 +99,7 @@ def test_sgd_step_and_grad_norm_are_exact_with_a_scale_sensitive_optimizer():
     """SGD moves each parameter by lr x its gradient: a wrong gradient scale (a sum over ranks,
     a tp double count) shows at once, unlike with Adam."""
     data = mlp_batches(2)
-    _, ref_params, ref_norms = reference(lambda: ResMLP(nnx.Rngs(0)), mlp_loss, data, optax.sgd(0.5))
+    _, ref_params, ref_norms, _ = train_single_device(lambda: ResMLP(nnx.Rngs(0)), mlp_loss, data, optax.sgd(0.5))
     strategy = Parallel(cpu_mesh((2, 2, 2), ("dp", "fsdp", "tp")), plan=MLP_PLAN)
     _, params, _, _, metrics = engine_run(strategy, lambda: ResMLP(nnx.Rngs(0)), MLP_UNITS, data, optax.sgd(0.5))
     np.testing.assert_allclose([float(m["grad_norm"]) for m in metrics], ref_norms, rtol=1e-5)
@@ -221,7 +119,7 @@ def test_update_in_backward_matches_single_device(shape, names):
     """Each unit is updated inside the step as soon as its gradients are reduced, by the optimizer on
     that unit's parameters and state: exact for a per-leaf optimizer, masks by path included."""
     data = mlp_batches(3)
-    ref_losses, ref_params, _ = reference(lambda: ResMLP(nnx.Rngs(0)), mlp_loss, data, per_leaf_sgd())
+    ref_losses, ref_params, _, _ = train_single_device(lambda: ResMLP(nnx.Rngs(0)), mlp_loss, data, per_leaf_sgd())
     strategy = Parallel(cpu_mesh(shape, names), plan=MLP_PLAN, update_in_backward=True)
     losses, params, _, state, metrics = engine_run(
         strategy, lambda: ResMLP(nnx.Rngs(0)), MLP_UNITS, data, per_leaf_sgd()

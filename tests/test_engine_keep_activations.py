@@ -16,20 +16,10 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from test_ddp import LOSS_RTOL, assert_params_close
-from test_engine import (
-    GPT_CFG,
-    MLP_PLAN,
-    MLP_UNITS,
-    ResMLP,
-    adamw,
-    engine_run,
-    gpt_batches,
-    mlp_batches,
-    mlp_loss,
-    path_optimizer,
-    reference,
-)
+from support.models import GPT_CFG, MLP_PLAN, MLP_UNITS, ResMLP, gpt_batches, mlp_batches, mlp_loss
+from support.optimizers import adamw, path_optimizer
+from support.reference import LOSS_RTOL, assert_params_close, train_single_device
+from support.runs import engine_run
 
 from jaxdist.engine import residuals as _residuals
 from jaxdist.engine.fsdp import FSDP
@@ -49,7 +39,7 @@ def test_gpt_sgd_step_and_grad_norm_match_single_device(mesh_name):
     shape, names = FSDP8 if mesh_name == "fsdp8" else HSDP_TP
     data = gpt_batches(2)
     make = lambda: GPT(GPT_CFG, nnx.Rngs(0))
-    ref_losses, ref_params, ref_norms = reference(make, next_token_loss, data, optax.sgd(0.5))
+    ref_losses, ref_params, ref_norms, _ = train_single_device(make, next_token_loss, data, optax.sgd(0.5))
     plan = tp_plan_for(GPT_CFG) if "tp" in names else None
     strategy = Parallel(cpu_mesh(shape, names), plan=plan, remat=False)
     assert strategy.backward_residuals == "rebuild"
@@ -65,7 +55,7 @@ def test_gpt_adamw_matches_single_device_through_the_fsdp_wrapper(update_in_back
     """HSDP; with update_in_backward each unit is updated as soon as its rebuilt backward reduced it."""
     data = gpt_batches(2)
     make = lambda: GPT(GPT_CFG, nnx.Rngs(0))
-    ref_losses, ref_params, _ = reference(make, next_token_loss, data, adamw())
+    ref_losses, ref_params, _, _ = train_single_device(make, next_token_loss, data, adamw())
     mesh = cpu_mesh((4, 2), ("fsdp", "dp"))
     options = {"update_in_backward": True, "skip_nonfinite": False} if update_in_backward else {}
     strategy = FSDP(mesh, dp_axis="dp", remat=False, **options)
@@ -82,7 +72,7 @@ def test_any_optax_chain_is_exact_on_a_model_that_is_not_the_gpt(mesh_name):
     shape, names = FSDP8 if mesh_name == "fsdp8" else HSDP_TP
     data = mlp_batches(2)
     make = lambda: ResMLP(nnx.Rngs(0))
-    ref_losses, ref_params, ref_norms = reference(make, mlp_loss, data, path_optimizer(0.5))
+    ref_losses, ref_params, ref_norms, _ = train_single_device(make, mlp_loss, data, path_optimizer(0.5))
     strategy = Parallel(cpu_mesh(shape, names), plan=MLP_PLAN, remat=False)
     losses, params, _, _, metrics = engine_run(strategy, make, MLP_UNITS, data, path_optimizer(0.5))
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
@@ -98,8 +88,9 @@ def test_dropout_and_batchnorm_train_as_under_ddp():
     """Dropout in the embed and every block, BatchNorm in every block: the masks (kept residuals of
     the RNG keys) and statistics of the forward serve backward, so FSDP keeping activations trains
     exactly as DDP, which draws the same masks (tests/test_strategy_models.py)."""
-    from test_strategy_models import UNITS as NET_UNITS
-    from test_strategy_models import Net, data, net_loss, run_steps
+    from support.models import NET_UNITS, Net, net_loss
+    from support.models import net_batches as data
+    from support.runs import run_steps
 
     from jaxdist.ddp.run import DDP
 

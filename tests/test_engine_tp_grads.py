@@ -18,8 +18,8 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from test_ddp import LOSS_RTOL, assert_params_close
-from test_engine import engine_run, reference
+from support.reference import LOSS_RTOL, assert_params_close, train_single_device
+from support.runs import engine_run
 
 from jaxdist.engine.run import Parallel, Units
 from jaxdist.tp import plan as tp_plan
@@ -127,7 +127,7 @@ def test_replicated_parameters_on_split_or_gathered_activations_get_the_single_d
     data = batches(2)
     sgd = optax.sgd(0.3)
     make = lambda: QKNormModel(nnx.Rngs(0))
-    ref_losses, ref_params, ref_norms = reference(make, loss_fn, data, sgd)
+    ref_losses, ref_params, ref_norms, _ = train_single_device(make, loss_fn, data, sgd)
     strategy = Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=PLAN, **SEQPAR[seqpar])
     losses, params, run, _, metrics = engine_run(strategy, make, UNITS, data, sgd)
     if seqpar:  # the batch's leading dimension unless told otherwise

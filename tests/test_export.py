@@ -6,24 +6,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+from support.exported import readme_load
 from support.layouts import GPT_CFG, LAYOUTS, OPTIMIZER, batches, make_model
-from test_train import BASE
+from support.trainer_runs import BASE
 
 from jaxdist.models.gpt import GPT
 from jaxdist.train import config as config_lib
 from jaxdist.train.checkpoint import CheckpointError, Checkpoints
 from jaxdist.train.cli import main
 from jaxdist.train.trainer import train
-
-
-def readme_load(path, model):
-    """The loading snippet of docs/trainer.md: orbax and Flax only."""
-    abstract = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    pure = ocp.StandardCheckpointer().restore(path, abstract)
-    params = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(params, pure)
-    nnx.update(model, params)
-    return model
 
 
 def test_export_of_a_tp_run_loads_with_flax_alone_as_the_runs_own_parameters(tmp_path, capsys):

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from support.hlo_schedule import entry_schedule, positions
 from support.meshes import cpu_mesh
-from test_ddp import LOSS_RTOL, assert_params_close, reference_run
+from support.reference import LOSS_RTOL, assert_params_close, train_single_device
 
 from jaxdist.ddp.run import DDP
 from jaxdist.engine.fsdp import FSDP, Units
@@ -54,7 +54,7 @@ def references():
     for tie in (False, True):
         cfg = dataclasses.replace(CFG, tie_embeddings=tie)
         make = lambda cfg=cfg: GPT(cfg, nnx.Rngs(0))
-        out[tie] = {"single": reference_run(make, next_token_loss, data, optax.adam(1e-3))}
+        out[tie] = {"single": train_single_device(make, next_token_loss, data, optax.adam(1e-3))}
         if tie:
             continue  # only the untied DDP run is compared with
         ddp_mesh = cpu_mesh((8,), ("dp",))
@@ -74,7 +74,7 @@ def test_matches_single_device_and_ddp(mesh, references, buffers, reshard_after_
     cfg = FSDP(mesh, buffers=buffers, prefetch=buffers - 1, reshard_after_forward=reshard_after_forward)
     losses, params, *_ = run_fsdp(cfg, CFG, batches(STEPS))
     for name in ("single", "ddp"):
-        ref_losses, ref_params = references[False][name]
+        ref_losses, ref_params = references[False][name][:2]
         np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL, err_msg=name)
         assert_params_close(params, ref_params)
     assert len(set(losses)) == STEPS
@@ -84,7 +84,7 @@ def test_tied_embeddings_match(mesh, references):
     """The tied embedding is read by the first and the last unit: its two gradients are summed."""
     losses, params, run, _ = run_fsdp(FSDP(mesh), dataclasses.replace(CFG, tie_embeddings=True), batches(STEPS))
     assert run.tied  # the head really re-gathers the embedding unit
-    ref_losses, ref_params = references[True]["single"]
+    ref_losses, ref_params, *_ = references[True]["single"]
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     assert_params_close(params, ref_params)
 
@@ -95,7 +95,7 @@ def test_update_in_backward_matches_the_ordinary_update(mesh, references):
     ordinary_losses, ordinary_params, *_ = run_fsdp(FSDP(mesh), CFG, data)
     np.testing.assert_allclose(losses, ordinary_losses, rtol=1e-6)
     assert_params_close(params, ordinary_params, atol=1e-6)
-    ref_losses, ref_params = references[False]["single"]
+    ref_losses, ref_params, *_ = references[False]["single"]
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     assert_params_close(params, ref_params)
 
@@ -103,7 +103,7 @@ def test_update_in_backward_matches_the_ordinary_update(mesh, references):
 def test_hsdp_shards_over_fsdp_and_replicates_over_dp(references):
     mesh = cpu_mesh((2, 4), ("dp", "fsdp"))
     losses, params, run, state = run_fsdp(FSDP(mesh, dp_axis="dp"), CFG, batches(STEPS))
-    ref_losses, ref_params = references[False]["single"]
+    ref_losses, ref_params, *_ = references[False]["single"]
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     assert_params_close(params, ref_params)
     # every parameter in its own shape, split 4 ways over fsdp, the same on both dp rows
@@ -298,7 +298,7 @@ def test_bf16_compute_matches_a_single_device_bf16_run_and_gathers_bf16(mesh):
     diffs = param_diffs(params, ref_params)
     assert diffs.max() < BF16_PARAM_ATOL and diffs.mean() < BF16_PARAM_MEAN_ATOL, (diffs.max(), diffs.mean())
     # the float32 run differs by more than the tolerance: the parity above sees bf16 compute
-    fp32_losses, fp32_params = reference_run(make, next_token_loss, data, opt())
+    fp32_losses, fp32_params, *_ = train_single_device(make, next_token_loss, data, opt())
     assert all(abs(a - b) > 3 * BF16_LOSS_RTOL * b for a, b in zip(losses, fp32_losses, strict=True))
     assert param_diffs(params, fp32_params).mean() > 10 * BF16_PARAM_MEAN_ATOL
     # what jaxdist asks for: each rank's pieces are cast before the gather, so the collective moves bf16
@@ -313,7 +313,7 @@ def test_update_in_backward_matches_single_device_sgd(mesh):
     """Each unit updated inside the step with SGD (scale-sensitive: a gradient off by a factor fails)."""
     data = batches(STEPS)
     opt = lambda: optax.sgd(0.5, momentum=0.9)
-    ref_losses, ref_params = reference_run(lambda: GPT(CFG, nnx.Rngs(0)), next_token_loss, data, opt())
+    ref_losses, ref_params, *_ = train_single_device(lambda: GPT(CFG, nnx.Rngs(0)), next_token_loss, data, opt())
     losses, params, _, state = run_fsdp(FSDP(mesh, update_in_backward=True), CFG, data, opt())
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     assert_params_close(params, ref_params)

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.comm_ops import OPS
+from support.comm_ops import run_all_ops as _run_all_ops
 
 from jaxdist import comm
-from tests.test_comm_numerics import OPS, _run_all_ops
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8, jnp.uint8]
 

@@ -22,13 +22,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import test_engine_models as models
-import test_strategy_models as nets
+import support.models as nets
+import support.transformer as models
 from flax import nnx
 from support.meshes import cpu_mesh
-from test_ddp import MLP, WithUnusedLayers
-from test_ddp import mlp_loss as ddp_mlp_loss
-from test_engine import GPT_CFG, MLP_PLAN, MLP_UNITS, ResMLP, gpt_batches, mlp_batches, mlp_loss
+from support.models import (
+    GPT_CFG,
+    MLP,
+    MLP_PLAN,
+    MLP_UNITS,
+    ResMLP,
+    WithUnusedLayers,
+    gpt_batches,
+    mlp_batches,
+    mlp_loss,
+)
+from support.models import mlp_loss as ddp_mlp_loss
 
 from jaxdist.ddp.run import DDP
 from jaxdist.engine.fsdp import FSDP

@@ -21,8 +21,9 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from test_ddp import LOSS_RTOL, assert_params_close
-from test_engine import MLP_UNITS, ResMLP, adamw, gpt_batches, mlp_batches, mlp_loss, path_optimizer, reference
+from support.models import MLP_UNITS, ResMLP, gpt_batches, mlp_batches, mlp_loss
+from support.optimizers import adamw, path_optimizer
+from support.reference import LOSS_RTOL, assert_params_close, train_single_device
 
 from jaxdist.models.gpt import GPT, UNITS, GPTConfig, next_token_loss, tp_plan_for
 from jaxdist.pipeline import schedule as ps
@@ -59,7 +60,7 @@ def test_gpt_matches_single_device(case):
     cfg = dataclasses.replace(GPT_CFG, tie_embeddings=tie)
     make = lambda: GPT(cfg, nnx.Rngs(0))
     batches = gpt_batches(STEPS)
-    ref_losses, ref_params, _ = reference(make, next_token_loss, batches, adamw())
+    ref_losses, ref_params, _, _ = train_single_device(make, next_token_loss, batches, adamw())
     strategy = Pipelined(cpu_mesh(shape, names), plan=tp_plan_for(cfg), **options)
     losses, params = pipeline_run(strategy, make, UNITS, batches, adamw())
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
@@ -91,7 +92,7 @@ def test_a_model_that_is_not_the_gpt_matches_single_device(case):
     shape, names, blocks, options, optimizer = MLP_CASES[case]
     make = lambda: ResMLP(nnx.Rngs(0), layers=blocks)
     batches = mlp_batches(STEPS)
-    ref_losses, ref_params, _ = reference(make, mlp_loss, batches, optimizer())
+    ref_losses, ref_params, _, _ = train_single_device(make, mlp_loss, batches, optimizer())
     losses, params = pipeline_run(Pipelined(cpu_mesh(shape, names), **options), make, MLP_UNITS, batches, optimizer())
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     assert_params_close(params, ref_params, atol=1e-5)
@@ -217,7 +218,7 @@ def test_1f1b_activation_memory_does_not_grow_with_the_microbatch_count():
 
 
 def test_the_trainers_parallel_pp_trains_as_ddp_does(tmp_path):
-    from test_train import BASE
+    from support.trainer_runs import BASE
 
     from jaxdist.train import config as config_lib
     from jaxdist.train.trainer import train
@@ -249,7 +250,7 @@ def test_nccl_pipeline_on_two_gpus_matches_xla_and_one_device(delay_us):
     make = lambda: GPT(GPT_CFG, nnx.Rngs(0))
     batches = gpt_batches(STEPS)
     with jax.default_matmul_precision("highest"):
-        ref_losses, ref_params, _ = reference(make, next_token_loss, batches, adamw())
+        ref_losses, ref_params, _, _ = train_single_device(make, next_token_loss, batches, adamw())
         out = {}
         for backend in ("nccl", "xla"):
             nccl.set_debug_delay(delay_us if backend == "nccl" else 0)

@@ -11,8 +11,8 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from test_engine import reference_run
-from test_review_ckpt_mlp import run_steps
+from support.reference import train_single_device
+from support.runs import run_steps
 
 from jaxdist.ddp.run import DDP
 from jaxdist.engine.run import Parallel, Units
@@ -70,9 +70,9 @@ def make_model():
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     run = LAYOUTS["fsdp4"](make_model())
-    state, _ = run_steps(run, run.state, DATA[:SPLIT])
+    state, _ = run_steps(run, DATA[:SPLIT])
     canonical = run.canonical(state)
-    _, ref_params, _, ref_opt = reference_run(make_model, mse, DATA[:SPLIT], OPTIMIZER)
+    _, ref_params, _, ref_opt = train_single_device(make_model, mse, DATA[:SPLIT], OPTIMIZER)
     for a, e in zip(jax.tree.leaves(canonical.params), jax.tree.leaves(ref_params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=1e-5)
     assert jax.tree.structure(canonical.opt_state) == jax.tree.structure(ref_opt)
@@ -88,10 +88,10 @@ def saved(tmp_path_factory):
 @pytest.mark.parametrize("target", ["fsdp4", "fsdp3", "zero1-3"])
 def test_an_fsdp_checkpoint_of_odd_widths_restores_onto_other_device_counts(saved, target):
     run = LAYOUTS[target](make_model())
-    _, whole = run_steps(run, run.state, DATA)
+    _, whole = run_steps(run, DATA)
     run = LAYOUTS[target](make_model())
     state = run.from_canonical(saved.restore(SPLIT, run.canonical_target()))
-    _, rest = run_steps(run, state, DATA[SPLIT:])
+    _, rest = run_steps(run, DATA[SPLIT:], state)
     np.testing.assert_allclose(rest, whole[SPLIT:], rtol=1e-5)
     if target == "fsdp4":
         assert rest == whole[SPLIT:]  # same layout: bit-exact

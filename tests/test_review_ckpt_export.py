@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+from support.exported import readme_load
 from support.meshes import cpu_mesh
-from test_export import readme_load
 
 from jaxdist.ddp.run import DDP
 from jaxdist.models.gpt import GPT, GPTConfig, next_token_loss

@@ -14,8 +14,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from test_train_run import _truncate, cfg, rows
-from test_train_run import two_checkpoints as two_checkpoints  # a fixture of that module, shared here
+from support.trainer_runs import rows
+from support.trainer_runs import tiny_run_config as cfg
+from support.trainer_runs import truncate_checkpoint as _truncate
 
 from jaxdist.train.checkpoint import CheckpointError, Checkpoints
 from jaxdist.train.cli import main

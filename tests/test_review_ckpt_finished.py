@@ -7,7 +7,7 @@ checkpoint of that step that already exists."""
 import json
 import os
 
-from test_train_run import cfg
+from support.trainer_runs import tiny_run_config as cfg
 
 from jaxdist.train.trainer import train
 

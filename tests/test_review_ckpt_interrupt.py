@@ -7,9 +7,14 @@ import os
 
 import numpy as np
 import pytest
-from test_train import cfg
+from support.trainer_runs import tiny_run_config
 
 from jaxdist.train import trainer
+
+
+def cfg(tmp_path, *overrides):
+    return tiny_run_config(tmp_path / "run", *overrides)
+
 
 STEPS = ["run.steps=4", "run.checkpoint_every=0"]  # no checkpoint before the end: the interrupt's save is the one
 

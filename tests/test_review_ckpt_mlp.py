@@ -16,6 +16,8 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
+from support.reference import train_single_device
+from support.runs import run_steps
 
 from jaxdist.ddp.run import DDP
 from jaxdist.train.checkpoint import Checkpoints
@@ -67,31 +69,11 @@ def prepared(layout: str):
     return LAYOUTS[layout]().prepare(OddMLP(nnx.Rngs(0)), make_optimizer(), mse, data()[0])
 
 
-def run_steps(run, state, batches):
-    losses = []
-    for batch in batches:
-        state, metrics = run.step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return state, losses
-
-
-def single_device_reference(batches):
-    """Plain optax on one device: the canonical state's parameters and optimizer state."""
-    graphdef, params = nnx.split(OddMLP(nnx.Rngs(0)))
-    pure, optimizer = nnx.to_pure_dict(params), make_optimizer()
-    opt_state = optimizer.init(pure)
-    for batch in batches:
-        grads = jax.grad(lambda p, b: mse(nnx.merge(graphdef, p), b))(pure, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, pure)
-        pure = optax.apply_updates(pure, updates)
-    return pure, opt_state
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Step SPLIT of the ZeRO-1 run over 8 devices (no dimension divides 8: all replicated)."""
     run = prepared("zero1-8")
-    state, _ = run_steps(run, run.state, data()[:SPLIT])
+    state, _ = run_steps(run, data()[:SPLIT])
     ckpt = Checkpoints(tmp_path_factory.mktemp("odd"), keep=1)
     ckpt.save(SPLIT, run.canonical(state), {})
     ckpt.wait()
@@ -102,7 +84,7 @@ def saved(tmp_path_factory):
 def test_the_saved_state_is_the_single_device_optax_state(saved):
     run = prepared("one")
     restored = saved.restore(SPLIT, run.canonical_target())
-    params, opt_state = single_device_reference(data()[:SPLIT])
+    _, params, _, opt_state = train_single_device(lambda: OddMLP(nnx.Rngs(0)), mse, data()[:SPLIT], make_optimizer())
     assert int(restored.step) == SPLIT
     assert jax.tree.structure(restored.opt_state) == jax.tree.structure(opt_state)
     for a, e in zip(jax.tree.leaves(restored.params), jax.tree.leaves(params), strict=True):
@@ -116,13 +98,13 @@ def test_the_saved_state_is_the_single_device_optax_state(saved):
 @pytest.mark.parametrize("target", ["zero1-3", "ddp2-accumulate2", "zero1-6-accumulate2", "one", "zero1-8"])
 def test_restore_onto_other_device_counts_continues_the_targets_uninterrupted_run(saved, target):
     run = prepared(target)
-    _, whole = run_steps(run, run.state, data())
+    _, whole = run_steps(run, data())
     run = prepared(target)
     state = run.from_canonical(saved.restore(SPLIT, run.canonical_target()))
     if target == "zero1-3":  # the 6-wide layers split over 3 devices here (replicated in the source)
         assert state.params["b"]["kernel"].addressable_shards[0].data.shape == (7, 2)
     assert int(state.step) == SPLIT
-    state, rest = run_steps(run, state, data()[SPLIT:])
+    state, rest = run_steps(run, data()[SPLIT:], state)
     np.testing.assert_allclose(rest, whole[SPLIT:], rtol=1e-5)
     if target == "zero1-8":
         assert rest == whole[SPLIT:]  # the source layout's own run: bit-exact

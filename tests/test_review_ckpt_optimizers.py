@@ -16,10 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from support.layouts import LAYOUTS, batches, make_model
-from test_canonical import trained
-from test_ddp import assert_params_close
-from test_engine import reference_run
+from support.layouts import LAYOUTS, batches, make_model, trained
+from support.reference import assert_params_close, train_single_device
 
 from jaxdist.models.gpt import next_token_loss
 
@@ -53,7 +51,7 @@ def qkv_column_statistic(name: str, opt_state):
 def test_factored_and_per_dimension_statistics_are_canonical_under_tp(layout, name):
     optimizer = {"adafactor": ADAFACTOR, "sm3": SM3}[name]
     data = batches(STEPS)
-    _, ref_params, _, ref_opt = reference_run(make_model, next_token_loss, data, optimizer)
+    _, ref_params, _, ref_opt = train_single_device(make_model, next_token_loss, data, optimizer)
     assert qkv_column_statistic(name, ref_opt).shape == (96,)
     run, state = trained(layout, optimizer, data)
     canonical = run.canonical(state)

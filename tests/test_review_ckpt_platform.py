@@ -6,7 +6,7 @@ run's checkpoint "a checkpoint of another model". The reference is an uninterrup
 import dataclasses
 
 import numpy as np
-from test_train_run import cfg
+from support.trainer_runs import tiny_run_config as cfg
 
 from jaxdist.train import trainer
 

@@ -12,7 +12,9 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from test_review_models_engine import ODD_UNITS, OddMLP, assert_same_training, odd_batches, odd_loss, reference, train
+from support.models import ODD_UNITS, OddMLP, odd_batches, odd_loss
+from support.reference import assert_same_training, train_single_device
+from support.runs import train
 
 from jaxdist.ddp.run import DDP
 from jaxdist.engine.run import Parallel, Units
@@ -47,15 +49,15 @@ STRATEGIES = {
 @pytest.fixture(scope="module")
 def clipped_reference():
     batches = odd_batches(3)
-    first_norm = reference(make_model, small_loss, batches[:1], optax.sgd(0.0))[2][0]
+    first_norm = train_single_device(make_model, small_loss, batches[:1], optax.sgd(0.0))[2][0]
     clip = 0.25 * first_norm  # active at every step
     chain = optax.chain(optax.clip_by_global_norm(clip), optax.sgd(LR))
-    return clip, batches, reference(make_model, small_loss, batches, chain)
+    return clip, batches, train_single_device(make_model, small_loss, batches, chain)
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_the_clip_at_a_small_gradient_norm_is_optax_clip_by_global_norm(clipped_reference, name):
-    clip, batches, (ref_losses, ref_params, ref_norms) = clipped_reference
+    clip, batches, (ref_losses, ref_params, ref_norms, _) = clipped_reference
     assert min(ref_norms) > clip and max(ref_norms) < 1e-3  # clipped, and small enough for an epsilon to show
     strategy = STRATEGIES[name](clip)
     if isinstance(strategy, DDP):
@@ -102,8 +104,8 @@ def test_the_clip_of_float64_gradients_is_exact_in_float64(name):
     with jax.enable_x64(True):
         batches = [{"x": rng.normal(size=(16, 4)), "y": rng.normal(size=(16, 2))} for _ in range(3)]
         make = lambda: MLP64(nnx.Rngs(0))
-        clip = reference(make, loss64, batches[:1], optax.sgd(0.0))[2][0] / 3
-        ref_losses, ref_params, ref_norms = reference(
+        clip = train_single_device(make, loss64, batches[:1], optax.sgd(0.0))[2][0] / 3
+        ref_losses, ref_params, ref_norms, _ = train_single_device(
             make, loss64, batches, optax.chain(optax.clip_by_global_norm(clip), optax.sgd(0.3))
         )
         if name == "ddp":

@@ -11,7 +11,8 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from test_review_models_engine import reference, train
+from support.reference import train_single_device
+from support.runs import train
 
 from jaxdist.engine.run import Parallel, Units
 from jaxdist.pipeline.run import Pipelined
@@ -61,7 +62,7 @@ def batches(n=2, rows=16, seed=0):
 
 @pytest.fixture(scope="module")
 def one_device():
-    return reference(lambda: Mixed(nnx.Rngs(0)), loss, batches(), optax.sgd(0.1))
+    return train_single_device(lambda: Mixed(nnx.Rngs(0)), loss, batches(), optax.sgd(0.1))
 
 
 STRATEGIES = {
@@ -79,7 +80,7 @@ def test_bfloat16_parameters_beside_float32_ones_compute_in_bfloat16(one_device,
     losses, params, _, state = train(run, batches())
     bf16 = jnp.dtype(jnp.bfloat16)
     assert SEEN and set(SEEN) == {(bf16, bf16)}, set(SEEN)  # as on one device
-    ref_losses, ref_params, _ = one_device
+    ref_losses, ref_params, _, _ = one_device
     # the first step's loss is the same forward (float32 activations from a float32 kernel: 2e-3 off)
     np.testing.assert_allclose(losses[0], ref_losses[0], rtol=1e-6)
     np.testing.assert_allclose(losses[1], ref_losses[1], rtol=2e-3)  # bfloat16 gradients averaged over ranks

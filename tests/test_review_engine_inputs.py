@@ -7,7 +7,7 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from test_review_models_engine import ODD_UNITS, OddMLP, odd_batches, odd_loss
+from support.models import ODD_UNITS, OddMLP, odd_batches, odd_loss
 
 from jaxdist.ddp.run import DDP
 from jaxdist.engine.fsdp import FSDP

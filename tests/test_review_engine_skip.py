@@ -9,8 +9,9 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from test_review_models_engine import ODD_UNITS, OddMLP, odd_batches
-from test_strategy_models import UNITS, Net, data, net_loss
+from support.models import NET_UNITS as UNITS
+from support.models import ODD_UNITS, Net, OddMLP, net_loss, odd_batches
+from support.models import net_batches as data
 
 from jaxdist.ddp.run import DDP
 from jaxdist.engine.run import Parallel

@@ -11,7 +11,9 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from test_review_models_engine import ODD_UNITS, OddMLP, assert_same_training, odd_batches, odd_loss, reference, train
+from support.models import ODD_UNITS, OddMLP, odd_batches, odd_loss
+from support.reference import assert_same_training, train_single_device
+from support.runs import train
 
 from jaxdist.ddp.run import DDP
 from jaxdist.engine.run import Parallel
@@ -40,7 +42,7 @@ def test_a_step_batch_of_another_size_trains_as_one_device(name):
     make = lambda: OddMLP(nnx.Rngs(0), layers=2)
     opt = optax.sgd(0.2, momentum=0.9)
     data = [SMALL, LARGE, SMALL]
-    want = reference(make, odd_loss, data, opt)
+    want = train_single_device(make, odd_loss, data, opt)
     assert_same_training(train(prepare(name, make(), opt, SMALL), data), want)
 
 

@@ -3,8 +3,8 @@
 Each model here is unlike the shipped GPT: sizes that do not divide the device count (7, 13),
 biases of size 1, scalar parameters, a loss over a mask whose count of real entries differs per
 data rank, tied weights in a custom model, frozen parameters. Every run is compared with
-`reference` below (one `jax.value_and_grad` over the whole global batch on one device, then the
-same optax chain on the pure parameter dict) with scale-sensitive optimizers (SGD, SGD with
+`support.reference.train_single_device` (one `jax.value_and_grad` over the whole global batch on
+one device, then the same optax chain on the pure parameter dict) with scale-sensitive optimizers (SGD, SGD with
 momentum) after an active global-norm clip, so a gradient off by any factor shows.
 """
 
@@ -15,6 +15,21 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
+from support.models import (
+    ODD_PLAN,
+    ODD_UNITS,
+    TIED_UNITS,
+    OddBlock,
+    OddMLP,
+    TiedModel,
+    odd_batches,
+    odd_loss,
+    tied_batches,
+    tied_loss,
+)
+from support.optimizers import clipped_momentum
+from support.reference import LOSS_RTOL, assert_same_training, train_single_device
+from support.runs import train
 
 from jaxdist.ddp.run import DDP
 from jaxdist.engine.fsdp import FSDP
@@ -23,119 +38,13 @@ from jaxdist.pipeline.run import Pipelined
 from jaxdist.tp import plan as tp_plan
 
 STEPS = 3
-LOSS_RTOL = 5e-6
-PARAM_ATOL = 2e-5
 
-
-# -- the single-device reference ------------------------------------------------------------------
-
-
-def reference(make_model, loss_fn, batches, optimizer):
-    """`(losses, pure params, grad norms)` of plain single-device training on the global batches."""
-    graphdef, params, rest = nnx.split(make_model(), nnx.Param, ...)
-    pure = nnx.to_pure_dict(params)
-    opt_state = optimizer.init(pure)
-    # the other variables rebuilt inside the trace: a forward that updates them (statistics) may
-    rest_leaves, rest_def = jax.tree.flatten(rest)
-
-    @jax.jit
-    def step(p, s, batch):
-        model = lambda p: nnx.merge(graphdef, p, jax.tree.unflatten(rest_def, rest_leaves))
-        loss, g = jax.value_and_grad(lambda p: loss_fn(model(p), batch))(p)
-        updates, s = optimizer.update(g, s, p)
-        return optax.apply_updates(p, updates), s, loss, optax.global_norm(g)
-
-    device = jax.devices("cpu")[0]
-    pure, opt_state = jax.device_put((pure, opt_state), device)
-    losses, norms = [], []
-    for batch in batches:
-        pure, opt_state, loss, norm = step(pure, opt_state, jax.device_put(batch, device))
-        losses.append(float(loss))
-        norms.append(float(norm))
-    return losses, pure, norms
-
-
-def train(run, batches):
-    state, losses, norms = run.state, [], []
-    for batch in batches:
-        state, m = run.step(state, batch)
-        losses.append(float(m["loss"]))
-        norms.append(float(m["grad_norm"]))
-    return losses, nnx.to_pure_dict(run.params(state)), norms, state
-
-
-def assert_same_training(got, want, atol=PARAM_ATOL, check_norms=True):
-    losses, params, norms = got[:3]
-    ref_losses, ref_params, ref_norms = want
-    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
-    if check_norms:
-        np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
-    flat = jax.tree_util.tree_leaves_with_path(params)
-    ref_flat = dict(jax.tree_util.tree_leaves_with_path(ref_params))
-    assert len(flat) == len(ref_flat)
-    for path, x in flat:
-        np.testing.assert_allclose(
-            np.asarray(x), np.asarray(ref_flat[path]), rtol=1e-5, atol=atol, err_msg=jax.tree_util.keystr(path)
-        )
-
-
-def clipped_momentum(max_norm: float = 0.05):
-    return optax.chain(optax.clip_by_global_norm(max_norm), optax.sgd(0.2, momentum=0.9))
-
-
-# -- an MLP with sizes nothing divides, size-1 biases and scalar parameters -----------------------
-
-
-class OddBlock(nnx.Module):
-    def __init__(self, d: int, hidden: int, rngs: nnx.Rngs):
-        self.up = nnx.Linear(d, hidden, rngs=rngs)
-        self.down = nnx.Linear(hidden, d, rngs=rngs)
-        self.gate = nnx.Param(jnp.asarray(0.7, jnp.float32))  # a scalar parameter
-        self.shift = nnx.Param(jnp.full((1,), 0.1, jnp.float32))  # a bias of size 1
-
-    def __call__(self, x):
-        return x + self.gate * self.down(jnp.tanh(self.up(x))) + self.shift
-
-
-class OddMLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, d_in=5, d=7, hidden=13, d_out=3, layers=3):
-        self.inp = nnx.Linear(d_in, d, rngs=rngs)
-        self.layers = nnx.List([OddBlock(d, hidden, rngs) for _ in range(layers)])
-        self.out = nnx.Linear(d, d_out, rngs=rngs)
-        self.temperature = nnx.Param(jnp.asarray(1.3, jnp.float32))
-
-    def __call__(self, x):
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.out(x) * self.temperature
-
-
-def odd_loss(model, batch):
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-
-ODD_UNITS = Units(
-    embed=lambda m, b: m.inp(b["x"]),
-    head_loss=lambda m, x, b: jnp.mean((m.out(x) * m.temperature - b["y"]) ** 2),
-    blocks="layers",
-)
-
-
-def odd_batches(n, rows=16, d_in=5, d_out=3, seed=3):
-    rng = np.random.default_rng(seed)
-    return [
-        {
-            "x": rng.normal(size=(rows, d_in)).astype(np.float32),
-            "y": rng.normal(size=(rows, d_out)).astype(np.float32),
-        }
-        for _ in range(n)
-    ]
+# -- an MLP with sizes nothing divides, size-1 biases and scalar parameters (support.models) -------
 
 
 @pytest.fixture(scope="module")
 def odd_reference():
-    return reference(lambda: OddMLP(nnx.Rngs(0)), odd_loss, odd_batches(STEPS), clipped_momentum())
+    return train_single_device(lambda: OddMLP(nnx.Rngs(0)), odd_loss, odd_batches(STEPS), clipped_momentum())
 
 
 @pytest.mark.parametrize(
@@ -175,8 +84,6 @@ def test_ddp_accumulation_with_clipped_momentum_is_one_big_batch(odd_reference):
 
 # -- tensor parallelism on odd sizes --------------------------------------------------------------
 
-ODD_PLAN = tp_plan.TPPlan({"layers/*/up": tp_plan.column(), "layers/*/down": tp_plan.row()})
-
 
 def test_tp_on_odd_model_dims_with_an_even_hidden_size_matches_one_device():
     """d=7 (replicated over tp and not divisible by fsdp), hidden 6 split over tp=2 into pieces of 3
@@ -184,7 +91,7 @@ def test_tp_on_odd_model_dims_with_an_even_hidden_size_matches_one_device():
     whole activations (their gradient must not be summed over tp)."""
     make = lambda: OddMLP(nnx.Rngs(0), hidden=6)
     data = odd_batches(STEPS)
-    want = reference(make, odd_loss, data, clipped_momentum())
+    want = train_single_device(make, odd_loss, data, clipped_momentum())
     for shape, names in (((2, 2, 2), ("dp", "fsdp", "tp")), ((4, 2), ("dp", "tp"))):
         run = Parallel(cpu_mesh(shape, names), plan=ODD_PLAN).prepare(make(), clipped_momentum(), ODD_UNITS, data[0])
         assert_same_training(train(run, data), want)
@@ -241,43 +148,13 @@ def test_sum_and_count_is_the_global_mean_over_real_entries(shape, names, option
     make = lambda: OddMLP(nnx.Rngs(0), hidden=6)
     data = masked_batches(STEPS)
     opt = optax.sgd(0.2, momentum=0.9)
-    want = reference(make, masked_loss, data, opt)
+    want = train_single_device(make, masked_loss, data, opt)
     units = Units(embed=ODD_UNITS.embed, head_loss=masked_head, blocks="layers", sum_and_count=True)
     run = Parallel(cpu_mesh(shape, names), **options).prepare(make(), opt, units, data[0])
     assert_same_training(train(run, data), want, check_norms="update_in_backward" not in options)
 
 
 # -- tied weights in a custom model, frozen parameters --------------------------------------------
-
-
-class TiedModel(nnx.Module):
-    """A projection used by the embed and again (transposed) by the head, blocks in between."""
-
-    def __init__(self, rngs: nnx.Rngs, d_in=6, d=8, layers=2):
-        self.proj = nnx.Param(jax.random.normal(rngs.params(), (d_in, d)) * 0.3)
-        self.layers = nnx.List([OddBlock(d, 12, rngs) for _ in range(layers)])
-
-    def __call__(self, x):
-        h = x @ self.proj
-        for layer in self.layers:
-            h = layer(h)
-        return h @ self.proj.T
-
-
-def tied_loss(model, batch):
-    return jnp.mean((model(batch["x"]) - batch["x"]) ** 2)
-
-
-TIED_UNITS = Units(
-    embed=lambda m, b: b["x"] @ m.proj,
-    head_loss=lambda m, x, b: jnp.mean((x @ m.proj.T - b["x"]) ** 2),
-    blocks="layers",
-)
-
-
-def tied_batches(n, seed=7):
-    rng = np.random.default_rng(seed)
-    return [{"x": rng.normal(size=(16, 6)).astype(np.float32)} for _ in range(n)]
 
 
 @pytest.mark.parametrize(
@@ -288,7 +165,7 @@ def tied_batches(n, seed=7):
 def test_a_weight_tied_between_embed_and_head_gets_both_gradients(shape, names, options):
     data = tied_batches(STEPS)
     opt = optax.sgd(0.1, momentum=0.9)
-    want = reference(lambda: TiedModel(nnx.Rngs(0)), tied_loss, data, opt)
+    want = train_single_device(lambda: TiedModel(nnx.Rngs(0)), tied_loss, data, opt)
     run = Parallel(cpu_mesh(shape, names), **options).prepare(TiedModel(nnx.Rngs(0)), opt, TIED_UNITS, data[0])
     assert_same_training(train(run, data), want, check_norms="update_in_backward" not in options)
 
@@ -305,7 +182,7 @@ def frozen_optimizer(clip: bool):
 def test_frozen_parameters_stay_frozen_and_the_rest_train_as_on_one_device(update_in_backward):
     data = odd_batches(STEPS)
     opt = frozen_optimizer(clip=not update_in_backward)  # update_in_backward refuses a global clip
-    want = reference(lambda: OddMLP(nnx.Rngs(0)), odd_loss, data, opt)
+    want = train_single_device(lambda: OddMLP(nnx.Rngs(0)), odd_loss, data, opt)
     run = Parallel(cpu_mesh((2, 4), ("dp", "fsdp")), update_in_backward=update_in_backward).prepare(
         OddMLP(nnx.Rngs(0)), opt, ODD_UNITS, data[0]
     )
@@ -375,7 +252,7 @@ def test_ddp_sum_and_count_is_the_global_mean_over_real_entries(options):
     make = lambda: OddMLP(nnx.Rngs(0), hidden=6)
     data = uneven_masked_batches()
     opt = optax.sgd(0.2, momentum=0.9)
-    want = reference(make, masked_loss, data, opt)
+    want = train_single_device(make, masked_loss, data, opt)
     options = dict(options)
     mesh = cpu_mesh((options.pop("dp"),), ("dp",))
     run = DDP(mesh, sum_and_count=True, **options).prepare(make(), opt, ddp_masked_sum_and_count, data[0])
@@ -387,7 +264,7 @@ def test_ddp_without_sum_and_count_averages_per_rank_means():
     can fail), and a loss_fn that returns a pair without the option is refused at prepare."""
     make = lambda: OddMLP(nnx.Rngs(0), hidden=6)
     data = uneven_masked_batches()
-    want = reference(make, masked_loss, data, optax.sgd(0.2))
+    want = train_single_device(make, masked_loss, data, optax.sgd(0.2))
     run = DDP(cpu_mesh((8,), ("dp",))).prepare(make(), optax.sgd(0.2), masked_loss, data[0])
     _, m = run.step(run.state, data[0])
     assert abs(float(m["loss"]) - want[0][0]) > 1e-2
@@ -414,7 +291,7 @@ def test_sequence_parallel_masked_mean_with_scalar_gates_on_the_token_chunks():
         for b in masked_batches(STEPS)
     ]
     make = lambda: OddMLP(nnx.Rngs(0), hidden=6, d_out=4, layers=2)
-    want = reference(make, masked_loss, data, clipped_momentum())
+    want = train_single_device(make, masked_loss, data, clipped_momentum())
     units = Units(embed=ODD_UNITS.embed, head_loss=masked_head, blocks="layers", sum_and_count=True)
     strategy = Parallel(
         cpu_mesh((2, 2, 2), ("dp", "fsdp", "tp")), plan=SEQPAR_PLAN, sequence_parallel=True, remat=False
@@ -469,7 +346,7 @@ class StackedOdd(nnx.Module):
 
 def test_stacked_layers_with_scalar_parameters_under_hsdp_and_tp_match_one_device():
     data = odd_batches(STEPS)
-    want = reference(lambda: StackedOdd(nnx.Rngs(0)), odd_loss, data, clipped_momentum())
+    want = train_single_device(lambda: StackedOdd(nnx.Rngs(0)), odd_loss, data, clipped_momentum())
     units = Units(
         embed=ODD_UNITS.embed,
         head_loss=lambda m, x, b: jnp.mean((m.out(x) - b["y"]) ** 2),
@@ -512,7 +389,7 @@ def test_embed_or_head_reading_a_blocks_parameters_is_refused_not_computed_with_
     on zeros in place of its weights (loss 8.24 where one device has 7.71), silently. DDP trains such a
     model exactly; the engine must refuse it."""
     data = odd_batches(2)
-    want = reference(lambda: ReusesTheLastBlock(nnx.Rngs(0)), odd_loss, data, optax.sgd(0.1))
+    want = train_single_device(lambda: ReusesTheLastBlock(nnx.Rngs(0)), odd_loss, data, optax.sgd(0.1))
     ddp = DDP(cpu_mesh((8,), ("dp",))).prepare(ReusesTheLastBlock(nnx.Rngs(0)), optax.sgd(0.1), odd_loss, data[0])
     np.testing.assert_allclose(train(ddp, data)[0], want[0], rtol=LOSS_RTOL)
     head = lambda m, x, b: jnp.mean((m.out(m.layers[-1](x)) * m.temperature - b["y"]) ** 2)

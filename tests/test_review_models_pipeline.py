@@ -10,21 +10,20 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from test_review_models_engine import (
+from support.models import (
     ODD_PLAN,
     ODD_UNITS,
     TIED_UNITS,
     OddMLP,
     TiedModel,
-    assert_same_training,
-    clipped_momentum,
     odd_batches,
     odd_loss,
-    reference,
     tied_batches,
     tied_loss,
-    train,
 )
+from support.optimizers import clipped_momentum
+from support.reference import assert_same_training, train_single_device
+from support.runs import train
 
 from jaxdist.pipeline.run import Pipelined
 
@@ -50,7 +49,7 @@ def test_pipeline_trains_an_mlp_of_odd_sizes_as_one_device(shape, names, options
     shift, 7 x 13 kernels) where none does; clipped SGD with momentum and grad_norm are exact."""
     make = lambda: OddMLP(nnx.Rngs(0), **model)
     data = odd_batches(STEPS)
-    want = reference(make, odd_loss, data, clipped_momentum())
+    want = train_single_device(make, odd_loss, data, clipped_momentum())
     assert min(want[2]) > 0.05  # the clip is active
     run = Pipelined(cpu_mesh(shape, names), **options).prepare(make(), clipped_momentum(), ODD_UNITS, data[0])
     assert_same_training(train(run, data), want)
@@ -59,7 +58,7 @@ def test_pipeline_trains_an_mlp_of_odd_sizes_as_one_device(shape, names, options
 def test_pipeline_sums_a_tied_weights_gradients_from_the_first_and_last_stage():
     data = tied_batches(STEPS)
     opt = optax.sgd(0.1, momentum=0.9)
-    want = reference(lambda: TiedModel(nnx.Rngs(0)), tied_loss, data, opt)
+    want = train_single_device(lambda: TiedModel(nnx.Rngs(0)), tied_loss, data, opt)
     run = Pipelined(cpu_mesh((2, 4), ("pp", "dp")), microbatches=2).prepare(
         TiedModel(nnx.Rngs(0)), opt, TIED_UNITS, data[0]
     )

@@ -11,7 +11,9 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from test_review_models_engine import assert_same_training, odd_batches, train
+from support.models import odd_batches
+from support.reference import assert_same_training
+from support.runs import train
 
 from jaxdist.ddp.run import DDP
 from jaxdist.engine.run import Parallel, Units

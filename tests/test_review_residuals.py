@@ -8,8 +8,9 @@ import numpy as np
 import optax
 from flax import nnx
 from support.meshes import cpu_mesh
-from test_ddp import LOSS_RTOL, assert_params_close
-from test_engine import MLP_UNITS, ResMLP, engine_run, mlp_batches, mlp_loss, reference
+from support.models import MLP_UNITS, ResMLP, mlp_batches, mlp_loss
+from support.reference import LOSS_RTOL, assert_params_close, train_single_device
+from support.runs import engine_run
 
 from jaxdist.engine import residuals as _residuals
 from jaxdist.engine.run import Parallel
@@ -54,7 +55,7 @@ def _model(rngs, d=8, layers=2):
 def test_keep_activations_with_a_jitted_helper_in_the_block_matches_single_device():
     data = mlp_batches(2)
     make = lambda: _model(nnx.Rngs(0))
-    ref_losses, ref_params, ref_norms = reference(make, mlp_loss, data, optax.sgd(0.5))
+    ref_losses, ref_params, ref_norms, _ = train_single_device(make, mlp_loss, data, optax.sgd(0.5))
     strategy = Parallel(cpu_mesh((8,), ("fsdp",)), remat=False)
     losses, params, _, _, metrics = engine_run(strategy, make, MLP_UNITS, data, optax.sgd(0.5))
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)

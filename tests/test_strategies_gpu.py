@@ -11,11 +11,12 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import AxisType, Mesh
+from support.models import make_case
+from support.reference import LOSS_RTOL, assert_params_close
 
 from jaxdist.ddp.run import DDP
 from jaxdist.engine.fsdp import FSDP, Units
 from jaxdist.models.gpt import GPT, GPTConfig, embed_inputs, head_loss
-from tests.test_ddp import LOSS_RTOL, assert_params_close, make_case
 
 pytestmark = pytest.mark.gpu
 

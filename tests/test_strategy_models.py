@@ -2,7 +2,7 @@
 dropout RNG streams, BatchNorm statistics) and blocks that must be identical.
 
 References are independent of the strategies: a plain single-device run, or plain flax run on each
-rank's local batch by hand. Float32 tolerances are those of tests/test_ddp.py.
+rank's local batch by hand. Float32 tolerances are those of tests/support/reference.py.
 """
 
 import jax
@@ -12,81 +12,18 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from test_ddp import LOSS_RTOL, assert_params_close, reference_run
+from support.models import NET_UNITS as UNITS
+from support.models import Net, net_loss
+from support.models import net_batches as data
+from support.reference import LOSS_RTOL, assert_params_close, train_single_device
+from support.runs import run_steps
 
 from jaxdist.ddp.run import DDP
-from jaxdist.engine.fsdp import FSDP, Units
+from jaxdist.engine.fsdp import FSDP
 from jaxdist.engine.run import Parallel
 from jaxdist.train.checkpoint import Checkpoints
 
-IN, DIM, OUT, RANKS = 8, 16, 4, 8
-
-
-class Block(nnx.Module):
-    """A residual block with a fixed per-block gain (a non-Param variable) and optional BatchNorm/Dropout."""
-
-    def __init__(self, gain: float, rngs: nnx.Rngs, act: bool = True, dropout: float = 0.0, batchnorm: bool = False):
-        self.lin = nnx.Linear(DIM, DIM, precision="highest", rngs=rngs)
-        self.gain = nnx.Variable(jnp.full((DIM,), gain, jnp.float32))
-        self.act = act
-        self.norm = nnx.BatchNorm(DIM, momentum=0.5, rngs=rngs) if batchnorm else None
-        self.drop = nnx.Dropout(dropout, rngs=rngs) if dropout else None
-
-    def __call__(self, x):
-        y = self.lin(x) * self.gain[...]
-        if self.norm is not None:
-            y = self.norm(y)
-        y = jnp.tanh(y) if self.act else y
-        if self.drop is not None:
-            y = self.drop(y)
-        return x + y
-
-
-class Net(nnx.Module):
-    def __init__(self, gains, rngs: nnx.Rngs, acts=None, input_dropout: float = 0.0, **block):
-        acts = acts or [True] * len(gains)
-        self.inp = nnx.Linear(IN, DIM, precision="highest", rngs=rngs)
-        self.drop_in = nnx.Dropout(input_dropout, rngs=rngs) if input_dropout else None
-        self.blocks = nnx.List([Block(g, rngs, act=a, **block) for g, a in zip(gains, acts, strict=True)])
-        self.out = nnx.Linear(DIM, OUT, precision="highest", rngs=rngs)
-
-
-def embed(model, batch):
-    x = model.inp(batch["x"])
-    return model.drop_in(x) if model.drop_in is not None else x
-
-
-def head_loss(model, x, batch):
-    return jnp.mean((model.out(x) - batch["y"]) ** 2)
-
-
-def net_loss(model, batch):
-    x = embed(model, batch)
-    for block in model.blocks:
-        x = block(x)
-    return head_loss(model, x, batch)
-
-
-UNITS = Units(embed, head_loss)
-
-
-def data(n: int, batch_size: int = 32, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    return [
-        {
-            "x": rng.normal(size=(batch_size, IN)).astype(np.float32),
-            "y": rng.normal(size=(batch_size, OUT)).astype(np.float32),
-        }
-        for _ in range(n)
-    ]
-
-
-def run_steps(run, batches, state=None):
-    state, losses = state or run.state, []
-    for batch in batches:
-        state, m = run.step(state, batch)
-        losses.append(float(m["loss"]))
-    return state, losses
+RANKS = 8
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +43,7 @@ def test_fsdp_blocks_run_with_their_own_constants(fsdp_mesh):
     """Same parameter shapes, different fixed gains: each block must run with its own gain."""
     make = lambda: Net([0.5, 2.0, -1.0], nnx.Rngs(0))
     batches = data(3)
-    ref_losses, ref_params = reference_run(make, net_loss, batches, optax.sgd(0.1))
+    ref_losses, ref_params, *_ = train_single_device(make, net_loss, batches, optax.sgd(0.1))
     run = FSDP(fsdp_mesh).prepare(make(), optax.sgd(0.1), UNITS, batches[0])
     state, losses = run_steps(run, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
@@ -120,7 +57,7 @@ def test_fsdp_runs_blocks_that_differ_in_static_attributes(fsdp_mesh):
     (FSDP is the unit engine, which keeps a graphdef per block)."""
     make = lambda: Net([1.0, 1.0, 1.0], nnx.Rngs(0), acts=[True, False, True])
     batches = data(3)
-    ref_losses, ref_params = reference_run(make, net_loss, batches, optax.sgd(0.1))
+    ref_losses, ref_params, *_ = train_single_device(make, net_loss, batches, optax.sgd(0.1))
     run = FSDP(fsdp_mesh).prepare(make(), optax.sgd(0.1), UNITS, batches[0])
     state, losses = run_steps(run, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
@@ -254,7 +191,7 @@ def test_fsdp_dropout_draws_the_masks_of_ddp_and_resumes_exactly(dp_mesh, fsdp_m
     np.testing.assert_allclose(losses + more, ddp_losses, rtol=LOSS_RTOL)
     assert_params_close(fsdp.params(state), ddp.params(ddp_state))
     no_dropout = Net([1.0, 0.5, 2.0], nnx.Rngs(0))
-    ref_losses, _ = reference_run(lambda: no_dropout, net_loss, batches, optax.sgd(0.1))
+    ref_losses, *_ = train_single_device(lambda: no_dropout, net_loss, batches, optax.sgd(0.1))
     assert abs(ddp_losses[0] - ref_losses[0]) > 1e-3  # dropout is on in the step
 
     restored = jax.tree.map(lambda h, like: jax.device_put(h, like.sharding), host, fsdp.state)

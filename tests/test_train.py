@@ -8,23 +8,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.trainer_runs import BASE, tiny_run_config
 
-from jaxdist.train import config as config_lib
 from jaxdist.train.config import ConfigError
 from jaxdist.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
-BASE = [
-    "model.flavor=tiny",
-    "data.batch_size=16",
-    "run.log_every=1",
-    "run.progress=false",
-    "optim.warmup_steps=2",
-]
 
 
 def cfg(tmp_path, *overrides, name="run"):
-    return config_lib.load(None, [*BASE, f"run.out_dir={tmp_path / name}", *overrides])
+    return tiny_run_config(tmp_path / name, *overrides)
 
 
 @pytest.mark.parametrize("parallel", ["parallel.tp=1", "parallel.tp=2"], ids=["ddp", "engine-dp4xtp2"])

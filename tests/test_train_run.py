@@ -2,29 +2,21 @@
 checkpoint falls back to the previous one, a failed save stops on one line."""
 
 import errno
-import json
 import math
 import os
 import shutil
 
 import numpy as np
 import pytest
+from support.trainer_runs import largest_file, rows, truncate_checkpoint
+from support.trainer_runs import tiny_run_config as cfg
+from support.trainer_runs import two_checkpoints as two_checkpoints  # the module's fixture
 
-from jaxdist.train import config as config_lib
 from jaxdist.train.checkpoint import CheckpointError
 from jaxdist.train.config import ConfigError
 from jaxdist.train.trainer import train
 
-BASE = ["model.flavor=tiny", "data.batch_size=16", "run.log_every=1", "run.progress=false", "optim.warmup_steps=2"]
-LR, MIN_RATIO, WARMUP = 3e-3, 0.1, 2  # the defaults and BASE above
-
-
-def cfg(out_dir, *overrides):
-    return config_lib.load(None, [*BASE, f"run.out_dir={out_dir}", *overrides])
-
-
-def rows(out_dir) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+LR, MIN_RATIO, WARMUP = 3e-3, 0.1, 2  # the defaults and support.trainer_runs.BASE
 
 
 def cosine_lr(step: int, decay_steps: int) -> float:
@@ -71,26 +63,8 @@ def test_starting_over_needs_overwrite_and_then_replaces_the_run(tmp_path, capsy
     assert f"metrics in {out / 'metrics.jsonl'}, checkpoints in {out / 'checkpoints'}" in summary
 
 
-@pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory):
-    """A 4-step run with checkpoints at steps 2 and 4, and its losses."""
-    out = tmp_path_factory.mktemp("base") / "run"
-    losses = train(cfg(out, "run.steps=4", "run.checkpoint_every=2"))
-    assert sorted(os.listdir(out / "checkpoints"), key=int) == ["2", "4"]
-    return out, losses
-
-
-def _largest_file(directory):
-    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-
-
-def _truncate(step_dir):
-    data = _largest_file(step_dir / "state")
-    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-
-
 def _flip(step_dir):
-    data = _largest_file(step_dir / "state")
+    data = largest_file(step_dir / "state")
     raw = bytearray(data.read_bytes())
     middle = len(raw) // 2
     raw[middle : middle + 16] = bytes(b ^ 0xFF for b in raw[middle : middle + 16])
@@ -101,7 +75,7 @@ def _delete_item(step_dir):
     shutil.rmtree(step_dir / "meta")
 
 
-@pytest.mark.parametrize("corrupt", [_truncate, _flip, _delete_item], ids=["truncated", "flipped", "deleted"])
+@pytest.mark.parametrize("corrupt", [truncate_checkpoint, _flip, _delete_item], ids=["truncated", "flipped", "deleted"])
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(two_checkpoints, tmp_path, capsys, corrupt):
     base, losses = two_checkpoints
     out = tmp_path / "run"
