@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import support.models as nets
-import support.transformer as models
+import support.transformer as transformer
 from flax import nnx
 from support.meshes import cpu_mesh
 from support.models import (
@@ -31,13 +30,16 @@ from support.models import (
     MLP,
     MLP_PLAN,
     MLP_UNITS,
+    NET_UNITS,
+    Net,
     ResMLP,
     WithUnusedLayers,
     gpt_batches,
     mlp_batches,
     mlp_loss,
+    net_batches,
+    net_loss,
 )
-from support.models import mlp_loss as ddp_mlp_loss
 
 from jaxdist.ddp.run import DDP
 from jaxdist.engine.fsdp import FSDP
@@ -83,9 +85,9 @@ def ddp(model: str = "mlp", **options) -> Callable:
     if model == "odd":
         make, loss, batch, bucket = lambda: ResMLP(nnx.Rngs(0), layers=2), mlp_loss, lambda: mlp_batches(1)[0], 400
     elif model == "unused":
-        make, loss, batch, bucket = lambda: WithUnusedLayers(nnx.Rngs(0)), ddp_mlp_loss, lambda: square_batch(32), 1056
+        make, loss, batch, bucket = lambda: WithUnusedLayers(nnx.Rngs(0)), mlp_loss, lambda: square_batch(32), 1056
     else:
-        make, loss, batch, bucket = lambda: MLP(3, 16, nnx.Rngs(0)), ddp_mlp_loss, lambda: square_batch(16), 272
+        make, loss, batch, bucket = lambda: MLP(3, 16, nnx.Rngs(0)), mlp_loss, lambda: square_batch(16), 272
     return prepared(lambda b: DDP(mesh, bucket_size=bucket, backend=b, **options), make, loss, batch)
 
 
@@ -103,19 +105,22 @@ def gpt_units(strategy: Callable, tie: bool = False) -> Callable:
 
 
 def transformer_units(strategy: Callable, mesh) -> Callable:
-    """tests/test_engine_models.py's stacked local/global GQA transformer: side inputs, a padding mask,
+    """support/transformer.py's stacked local/global GQA transformer: side inputs, a padding mask,
     the token mean over ranks (sum_and_count) and aux outputs; its plan from its annotations."""
-    cfg = models.Config()
-    plan = models.annotated_plan(models.make_model(cfg)) if "tp" in mesh.axis_names else None
+    cfg = transformer.Config()
+    plan = transformer.annotated_plan(transformer.make_model(cfg)) if "tp" in mesh.axis_names else None
     return prepared(
-        lambda b: strategy(b, plan), lambda: models.make_model(cfg, mesh), models.UNITS, lambda: models.batches(1)[0]
+        lambda b: strategy(b, plan),
+        lambda: transformer.make_model(cfg, mesh),
+        transformer.UNITS,
+        lambda: transformer.batches(1)[0],
     )
 
 
 def dropout_batchnorm(strategy: Callable, task) -> Callable:
-    """tests/test_strategy_models.py's Net with dropout (input and every block) and BatchNorm."""
-    make = lambda: nets.Net([0.5, 2.0], nnx.Rngs(0, dropout=3), input_dropout=0.2, dropout=0.3, batchnorm=True)  # noqa: E731
-    return prepared(strategy, make, task, lambda: nets.data(1, batch_size=16)[0])
+    """support/models.py's Net with dropout (input and every block) and BatchNorm."""
+    make = lambda: Net([0.5, 2.0], nnx.Rngs(0, dropout=3), input_dropout=0.2, dropout=0.3, batchnorm=True)  # noqa: E731
+    return prepared(strategy, make, task, lambda: net_batches(1, batch_size=16)[0])
 
 
 UNUSED = lambda: ResMLPWithUnused(nnx.Rngs(0), layers=2)  # noqa: E731
@@ -130,7 +135,7 @@ CASES = {
     "ddp-reduce-after-backward": ddp(overlap_grad_reduce=False),
     "ddp-accumulate2": ddp(accumulation_steps=2),
     "ddp-unused-params": ddp("unused"),
-    "ddp-dropout-batchnorm": dropout_batchnorm(lambda b: DDP(DP8, bucket_size=300, backend=b), nets.net_loss),
+    "ddp-dropout-batchnorm": dropout_batchnorm(lambda b: DDP(DP8, bucket_size=300, backend=b), net_loss),
     "zero1-overlap-gather": ddp(zero1=True),
     "zero1-gather-first": ddp(zero1=True, overlap_param_gather=False),
     "zero1-accumulate2": ddp(zero1=True, accumulation_steps=2),
@@ -151,7 +156,7 @@ CASES = {
     "fsdp-bf16-compute": mlp_units(lambda b: FSDP(FSDP8, compute_dtype=jnp.bfloat16, backend=b)),
     "fsdp-gpt-tied-embeddings": gpt_units(lambda b, _: FSDP(FSDP8, backend=b), tie=True),
     "fsdp-keep-activations-dropout-batchnorm": dropout_batchnorm(
-        lambda b: FSDP(FSDP8, remat=False, backend=b), nets.UNITS
+        lambda b: FSDP(FSDP8, remat=False, backend=b), NET_UNITS
     ),
     "hsdp-dp2xfsdp4": mlp_units(lambda b: FSDP(cpu_mesh((2, 4), ("dp", "fsdp")), dp_axis="dp", backend=b)),
     "engine-zero3-remat": mlp_units(lambda b: Parallel(FSDP8, remat=True, backend=b)),
