@@ -1,13 +1,14 @@
-"""The trainer's whole loop across 2 processes x 4 CPU devices (gloo), for every strategy: validation loss,
-checkpoint, a resume from it, the end-of-run sample, and `jaxdist sample` on the run afterwards.
+"""The trainer's whole loop across 2 processes x 4 CPU devices (gloo), for one strategy: validation
+loss, checkpoint, a resume from it, the end-of-run sample, and `jaxdist sample` on the run afterwards.
 
 The reference is an uninterrupted single-process run of the same layout on 8 devices: the training and
 validation losses of the two-part, two-process run match it (rtol 1e-5: two processes reduce in another
-order on CPU). Each launch has a deadline, so a hang fails the test instead of holding CI.
+order on CPU). Each launch has a deadline, so a hang fails the test instead of holding CI. The tests
+(tests/train/test_multiprocess_loop_*.py) take minutes each, so they are spread over several files:
+`pytest -n 2 --dist loadfile` runs them on both workers.
 """
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 
 from jaxdist.train import config as config_lib
 from jaxdist.train.trainer import train
+from support.trainer_runs import rows
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 420  # a launch takes ~1 min on 2 loaded cores; a hang takes forever
@@ -79,13 +81,8 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.mark.slow  # 2 launches of 2 processes and a reference run: 3.5-5 min on 2 shared cores
-@pytest.mark.parametrize("strategy", list(STRATEGIES), ids=list(STRATEGIES))
-def test_two_processes_evaluate_checkpoint_resume_and_sample(tmp_path, strategy):
+def check_two_processes_evaluate_checkpoint_resume_and_sample(tmp_path: Path, strategy: str) -> None:
+    """Run `strategy` (a key of STRATEGIES) in two parts over 2 processes and check it against one process."""
     layout = STRATEGIES[strategy]
     ref_out = tmp_path / "reference"
     train(config_lib.load(None, [*BASE, *layout, "run.steps=4", "run.checkpoint_every=-1", f"run.out_dir={ref_out}"]))
