@@ -13,6 +13,8 @@ mean, a bucket left out, stale parameters, a skipped update) moves most
 coordinates by about lr per step and fails both by orders of magnitude.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,12 +45,23 @@ OPTIMIZERS = {
 }
 
 
+@pytest.fixture(scope="module")
+def single_device():
+    """The single-device run of a model and optimizer, trained once for DDP and ZeRO-1."""
+
+    @functools.cache
+    def run(model: str, opt: str):
+        return train_single_device(*make_case(model, STEPS), OPTIMIZERS[opt]())
+
+    return run
+
+
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("model", ["gpt", "mlp"])
 @pytest.mark.parametrize("zero1", [False, True], ids=["ddp", "zero1"])
-def test_matches_single_device(mesh, model, zero1, opt):
+def test_matches_single_device(mesh, single_device, model, zero1, opt):
     make_model, loss_fn, batches = make_case(model, STEPS)
-    ref_losses, ref_params, *_ = train_single_device(make_model, loss_fn, batches, OPTIMIZERS[opt]())
+    ref_losses, ref_params, *_ = single_device(model, opt)
     losses, params, run, _, _ = ddp_run(
         DDP(mesh, zero1=zero1, bucket_size=1000), make_model, loss_fn, batches, OPTIMIZERS[opt]()
     )

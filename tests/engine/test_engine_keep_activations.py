@@ -33,13 +33,23 @@ FSDP8 = ((8,), ("fsdp",))
 # -- the training math -----------------------------------------------------------------------
 
 
+def make_gpt():
+    return GPT(GPT_CFG, nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def gpt_sgd_reference():
+    """The single-device SGD run both meshes are compared with, trained once."""
+    return train_single_device(make_gpt, next_token_loss, gpt_batches(2), optax.sgd(0.5))
+
+
 @pytest.mark.parametrize("mesh_name", ["fsdp8", "dp2xfsdp2xtp2"])
-def test_gpt_sgd_step_and_grad_norm_match_single_device(mesh_name):
+def test_gpt_sgd_step_and_grad_norm_match_single_device(gpt_sgd_reference, mesh_name):
     """SGD moves each parameter by lr x its gradient: a residual rebuilt wrong shows at once."""
     shape, names = FSDP8 if mesh_name == "fsdp8" else HSDP_TP
     data = gpt_batches(2)
-    make = lambda: GPT(GPT_CFG, nnx.Rngs(0))
-    ref_losses, ref_params, ref_norms, _ = train_single_device(make, next_token_loss, data, optax.sgd(0.5))
+    make = make_gpt
+    ref_losses, ref_params, ref_norms, _ = gpt_sgd_reference
     plan = tp_plan_for(GPT_CFG) if "tp" in names else None
     strategy = Parallel(cpu_mesh(shape, names), plan=plan, remat=False)
     assert strategy.backward_residuals == "rebuild"
