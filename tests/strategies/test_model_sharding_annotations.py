@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from support.meshes import cpu_mesh
+from support.reference import train_single_device
 
 from jaxdist.ddp.run import DDP
 from jaxdist.engine.fsdp import FSDP
@@ -137,19 +138,13 @@ def batches():
 @pytest.fixture(scope="module")
 def reference():
     """Single-device optax on the model without annotations: losses, gradient norms, final parameters."""
-    with nnx.use_eager_sharding(False):  # one device: no mesh to place the parameters on
-        model = Model(ModelConfig(), nnx.Rngs(0))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    opt = optimizer()
-    opt_state = opt.init(params)
-    losses, norms = [], []
-    for batch in batches():
-        loss, grads = jax.value_and_grad(lambda p, b=batch: loss_fn(nnx.merge(graphdef, p, rest), b))(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        losses.append(float(loss))
-        norms.append(float(optax.tree.norm(grads)))
-    return losses, norms, nnx.to_pure_dict(params)
+
+    def make():
+        with nnx.use_eager_sharding(False):  # one device: no mesh to place the parameters on
+            return Model(ModelConfig(), nnx.Rngs(0))
+
+    losses, params, norms, _ = train_single_device(make, loss_fn, batches(), optimizer())
+    return losses, norms, params
 
 
 def mesh_of(shape, names):

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 from support.meshes import cpu_mesh
+from support.reference import train_single_device
 
 from jaxdist.ddp.run import DDP
 from jaxdist.engine.fsdp import FSDP
@@ -80,17 +81,8 @@ def train(name: str, mesh, context_mesh=None):
 @pytest.fixture(scope="module")
 def reference():
     """Single-device optax: losses, gradient norms and final parameters."""
-    graphdef, params, rest = nnx.split(make_model(), nnx.Param, ...)
-    opt = optimizer()
-    opt_state = opt.init(params)
-    losses, norms = [], []
-    for batch in batches():
-        loss, grads = jax.value_and_grad(lambda p, b=batch: next_token_loss(nnx.merge(graphdef, p, rest), b))(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        losses.append(float(loss))
-        norms.append(float(optax.tree.norm(grads)))
-    return losses, norms, nnx.to_pure_dict(params)
+    losses, params, norms, _ = train_single_device(make_model, next_token_loss, batches(), optimizer())
+    return losses, norms, params
 
 
 def assert_matches_reference(result, reference):

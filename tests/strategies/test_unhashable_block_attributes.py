@@ -14,6 +14,7 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
+from support.reference import train_single_device
 
 from jaxdist.engine.fsdp import FSDP
 from jaxdist.engine.run import Parallel, Units
@@ -94,17 +95,8 @@ def batches():
 @pytest.fixture(scope="module")
 def reference():
     """Single-device optax: losses, gradient norms and final parameters."""
-    graphdef, params, rest = nnx.split(make_model(), nnx.Param, ...)
-    opt = optimizer()
-    opt_state = opt.init(params)
-    losses, norms = [], []
-    for batch in batches():
-        loss, grads = jax.value_and_grad(lambda p, b=batch: loss_fn(nnx.merge(graphdef, p, rest), b))(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        losses.append(float(loss))
-        norms.append(float(optax.tree.norm(grads)))
-    return losses, norms, nnx.to_pure_dict(params)
+    losses, params, norms, _ = train_single_device(make_model, loss_fn, batches(), optimizer())
+    return losses, norms, params
 
 
 STRATEGIES = {

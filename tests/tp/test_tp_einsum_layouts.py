@@ -18,6 +18,7 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
+from support.reference import train_single_device
 
 from jaxdist.engine.run import Parallel, Units
 from jaxdist.tp import plan as tp_plan
@@ -153,22 +154,8 @@ def batches(n: int, seed: int = 0) -> list[dict]:
 
 def single_device(make, data):
     """The model's own loss over the whole batch, optax on its parameter dict: losses, norms, params."""
-    graphdef, params, rest = nnx.split(make(), nnx.Param, ...)
-    pure = nnx.to_pure_dict(params)
-    opt = OPTIMIZER.init(pure)
-
-    @jax.jit
-    def step(p, s, batch):
-        loss, g = jax.value_and_grad(lambda p: model_loss(nnx.merge(graphdef, p, rest), batch))(p)
-        updates, s = OPTIMIZER.update(g, s, p)
-        return optax.apply_updates(p, updates), s, loss, optax.tree.norm(g)
-
-    losses, norms = [], []
-    for batch in data:
-        pure, opt, loss, norm = step(pure, opt, batch)
-        losses.append(float(loss))
-        norms.append(float(norm))
-    return losses, norms, pure
+    losses, params, norms, _ = train_single_device(make, model_loss, data, OPTIMIZER)
+    return losses, norms, params
 
 
 def assert_trees_close(actual, expected, atol):
