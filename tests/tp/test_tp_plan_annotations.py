@@ -10,6 +10,7 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
+from support.reference import train_single_device
 
 from jaxdist.engine.run import Parallel, Units
 from jaxdist.tp import plan as tp_plan
@@ -127,13 +128,7 @@ def batches(n: int, seed: int = 0) -> list[dict]:
 
 def test_a_model_annotated_for_fsdp_x_tp_prepares_as_it_is_and_trains_as_on_one_device():
     data, sgd = batches(2), optax.sgd(0.5)
-    graphdef, params, rest = nnx.split(make_model(), nnx.Param, ...)
-    pure, ref_losses = nnx.to_pure_dict(params), []
-    grad = jax.jit(jax.value_and_grad(lambda p, b: model_loss(nnx.merge(graphdef, p, rest), b)))
-    for batch in data:
-        loss, g = grad(pure, batch)
-        pure = optax.apply_updates(pure, sgd.update(g, sgd.init(pure))[0])
-        ref_losses.append(float(loss))
+    ref_losses, pure, *_ = train_single_device(make_model, model_loss, data, sgd)
     mesh = cpu_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
     model = make_model(mesh)
     run = Parallel(mesh, plan=derived_plan(model)).prepare(model, sgd, UNITS, data[0])
