@@ -66,7 +66,9 @@ class Attention(nnx.Module):
         self.o = dense(cfg.n_heads * hd, cfg.d, ("heads", "embed"), rngs)
 
     def __call__(self, x, positions, mask, cache=None):
-        heads = lambda a, n: a.reshape(*a.shape[:-1], n, a.shape[-1] // n)
+        def heads(a, n):
+            return a.reshape(*a.shape[:-1], n, a.shape[-1] // n)
+
         q = rope(heads(self.q(x), self.n_heads), positions, self.rope_base)
         k = rope(heads(self.k(x), self.n_kv_heads), positions, self.rope_base)
         v = heads(self.v(x), self.n_kv_heads)
@@ -131,7 +133,10 @@ class Transformer(nnx.Module):
 
             self.layers = make(rngs)
         else:  # the same interleaving as a list: even blocks sliding-window, odd ones global
-            local = lambda i: i % 2 == 0
+
+            def local(i):
+                return i % 2 == 0
+
             self.layers = nnx.List(
                 [
                     Block(cfg, cfg.window if local(i) else None, LOCAL_BASE if local(i) else GLOBAL_BASE, rngs)
