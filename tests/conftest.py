@@ -18,6 +18,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# the shared helpers assert too (reference comparisons, whole-loop checks): pytest explains their failures
+pytest.register_assert_rewrite("support")
+
 
 def _gpu_count() -> int:
     try:
