@@ -17,6 +17,7 @@ import pytest
 from support.trainer_runs import rows
 from support.trainer_runs import tiny_run_config as cfg
 from support.trainer_runs import truncate_checkpoint as _truncate
+from support.trainer_runs import two_checkpoints as two_checkpoints  # the module's fixture
 
 from jaxdist.train.checkpoint import CheckpointError, Checkpoints
 from jaxdist.train.cli import main
