@@ -4,6 +4,7 @@ XLA reads XLA_FLAGS when its CPU client starts, so this runs before jax is
 imported by any test module.
 """
 
+import collections
 import os
 
 _FLAG = "--xla_force_host_platform_device_count=8"
@@ -17,6 +18,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# the shared helpers assert too (reference comparisons, whole-loop checks): pytest explains their failures
+pytest.register_assert_rewrite("support")
 
 
 def _gpu_count() -> int:
@@ -39,6 +43,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"needs 2+ GPUs, found {gpus}"))
         elif "gpu" in item.keywords and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a GPU"))
+    # Files of more slow tests first, then files of more tests first (a file stays whole and in order).
+    # Under `-n 2 --dist loadfile --no-loadscope-reorder` workers take files in this order, so the
+    # minutes-long files start at once instead of ending the run on one worker.
+    slow = collections.Counter(item.path for item in items if "slow" in item.keywords)
+    count = collections.Counter(item.path for item in items)
+    items.sort(key=lambda item: (-slow[item.path], -count[item.path]))
 
 
 @pytest.fixture(scope="session")

@@ -79,3 +79,11 @@ def trained_layouts_once(tmp_path_factory):
     yield get
     for layout in made.values():
         layout.ckpt.close()
+
+
+def trained(layout, optimizer, data):
+    run = LAYOUTS[layout](make_model(), optimizer, data[0])
+    state = run.state
+    for batch in data:
+        state, _ = run.step(state, batch)
+    return run, state
