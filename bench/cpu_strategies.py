@@ -44,8 +44,13 @@ def main():
     devices = jax.devices("cpu")[:8]
     rng = np.random.default_rng(0)
     batch = {"tokens": rng.integers(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1)).astype(np.int32)}
-    model = lambda: GPT(cfg, nnx.Rngs(0))
-    opt = lambda: optax.adam(1e-3)
+
+    def model():
+        return GPT(cfg, nnx.Rngs(0))
+
+    def opt():
+        return optax.adam(1e-3)
+
     dp = jax.make_mesh((8,), ("dp",), devices=devices)
     fsdp = jax.make_mesh((8,), ("fsdp",), devices=devices)
     dptp = jax.make_mesh((2, 4), ("dp", "tp"), devices=devices)

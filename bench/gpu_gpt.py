@@ -86,7 +86,9 @@ def breakdown(flavor: str, batch: int) -> str:
     q = jax.random.normal(key, (b, t, h, d // h), jnp.bfloat16)
 
     def attention(impl):
-        f = lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True, implementation=impl).sum()
+        def f(q):
+            return jax.nn.dot_product_attention(q, q, q, is_causal=True, implementation=impl).sum()
+
         return jax.jit(jax.grad(f))
 
     x = jax.random.normal(key, (b * t, d), jnp.bfloat16)

@@ -17,7 +17,7 @@ in one branch of a `cond` on the rank would hang the others): the HLO is the
 one `ffi_call(has_side_effect=True)` gives. Unlike with an effect,
 `jax.checkpoint` may now recompute them in the backward pass, as it does the
 xla backend's `jax.lax` collectives: jaxdist keeps its data-parallel gathers
-out of rematerialized regions for both backends (tests/test_engine.py).
+out of rematerialized regions for both backends (tests/engine/test_engine.py).
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ class GPT(nnx.Module):
 
     def decode(self, tokens: jax.Array, cache: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Logits of `tokens` placed at positions pos, pos + 1, ... after those cached: the same
-        values as `__call__` on the whole sequence (tests/test_sample.py), one chunk at a time."""
+        values as `__call__` on the whole sequence (tests/train/test_sample.py), one chunk at a time."""
         x = self.wte(tokens) + self.wpe(pos + jnp.arange(tokens.shape[1]))[None]
         layers = []
         for block, layer in zip(self.blocks, cache, strict=True):

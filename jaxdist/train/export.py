@@ -104,10 +104,13 @@ def load_params(path: str | Path, like: nnx.State) -> nnx.State:
 
 def _check_same_parameters(saved, pure) -> None:
     """Raise naming the first parameter missing, extra or of another shape (orbax would pad or cut it)."""
-    flat = lambda tree: {
-        "/".join(str(getattr(k, "key", k)) for k in kp): tuple(x.shape)
-        for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-    }
+
+    def flat(tree):
+        return {
+            "/".join(str(getattr(k, "key", k)) for k in kp): tuple(x.shape)
+            for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+        }
+
     have, want = flat(saved), flat(pure)
     for name in sorted(set(have) | set(want)):
         if name not in have:

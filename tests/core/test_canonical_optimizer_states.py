@@ -69,7 +69,9 @@ def column_second_moments() -> optax.GradientTransformation:
         return jax.tree.map(lambda p: jnp.zeros((p.shape[-1], p.shape[-1]), p.dtype), params)
 
     def update(grads, state, params=None):
-        gram = lambda g: g.reshape(-1, g.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+        def gram(g):
+            return g.reshape(-1, g.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+
         return grads, jax.tree.map(lambda s, g: s + gram(g), state, grads)
 
     return optax.GradientTransformation(init, update)

@@ -240,7 +240,9 @@ def test_nonfinite_gradient_skips_the_step_and_reports_it(mesh, zero1):
 
 
 def _mlp_schedule(mesh, zero1: bool, pack_buckets: bool = True):
-    make_model = lambda: MLP(6, 32, nnx.Rngs(0))
+    def make_model():
+        return MLP(6, 32, nnx.Rngs(0))
+
     batch = {"x": np.ones((16, 32), np.float32), "y": np.ones((16, 32), np.float32)}
     cfg = DDP(mesh, zero1=zero1, bucket_size=1000, pack_buckets=pack_buckets)
     run = cfg.prepare(make_model(), optax.adam(LR), mlp_loss, batch)

@@ -95,7 +95,10 @@ def test_zero1_with_a_tree_optimizer_matches_one_device(opt, mesh_name):
     batches = make_batches(scale)
     if opt == "clip-by-global-norm":
         assert unclipped_norm(batches) > 10 * 0.1  # the clip binds
-    make_model = lambda: Net(nnx.Rngs(0))
+
+    def make_model():
+        return Net(nnx.Rngs(0))
+
     ref_losses, ref_params, *_ = train_single_device(make_model, net_loss, batches, make_optimizer())
     run = DDP(cpu_mesh(*MESHES[mesh_name]), zero1=True, bucket_size=300).prepare(
         make_model(), make_optimizer(), net_loss, batches[0]
@@ -126,7 +129,10 @@ def test_zero1_state_is_the_parameter_tree_sharded_per_parameter():
     run = DDP(mesh, zero1=True).prepare(Net(nnx.Rngs(0)), optax.adam(1e-2), net_loss, make_batches()[0])
     params = run.state.params
     assert jax.tree.structure(params) == jax.tree.structure(nnx.state(Net(nnx.Rngs(0)), nnx.Param))
-    local = lambda x: x.addressable_shards[0].data.shape
+
+    def local(x):
+        return x.addressable_shards[0].data.shape
+
     assert params["hidden"]["kernel"].shape == (16, 32) and local(params["hidden"]["kernel"]) == (2, 32)
     assert local(params["out"]["kernel"]) == (4, 7)
     assert local(params["norm"]["scale"]) == (2,)

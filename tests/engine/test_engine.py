@@ -108,7 +108,10 @@ def test_sgd_step_and_grad_norm_are_exact_with_a_scale_sensitive_optimizer():
 
 def per_leaf_sgd():
     """SGD with momentum (scale-sensitive) and weight decay masked off for biases: per-leaf, by path."""
-    no_bias = lambda p: jax.tree_util.tree_map_with_path(lambda kp, _: kp[-1].key != "bias", p)
+
+    def no_bias(p):
+        return jax.tree_util.tree_map_with_path(lambda kp, _: kp[-1].key != "bias", p)
+
     return optax.chain(optax.masked(optax.add_decayed_weights(0.1), no_bias), optax.sgd(0.1, momentum=0.9))
 
 
@@ -267,7 +270,9 @@ def test_vocab_parallel_logits_are_read_only_by_the_vocab_parallel_loss():
     them otherwise (optax directly, or a z-loss beside the cross-entropy) would be silently wrong,
     so `prepare` (which traces the head) raises instead."""
     mesh = cpu_mesh((4, 2), ("dp", "tp"))
-    labels = lambda batch: batch["tokens"][:, 1:]
+
+    def labels(batch):
+        return batch["tokens"][:, 1:]
 
     def optax_head_loss(model, x, batch):
         logits = model.logits(x).astype(jnp.float32)

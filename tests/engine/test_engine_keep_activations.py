@@ -64,7 +64,10 @@ def test_gpt_sgd_step_and_grad_norm_match_single_device(gpt_sgd_reference, mesh_
 def test_gpt_adamw_matches_single_device_through_the_fsdp_wrapper(update_in_backward):
     """HSDP; with update_in_backward each unit is updated as soon as its rebuilt backward reduced it."""
     data = gpt_batches(2)
-    make = lambda: GPT(GPT_CFG, nnx.Rngs(0))
+
+    def make():
+        return GPT(GPT_CFG, nnx.Rngs(0))
+
     ref_losses, ref_params, _, _ = train_single_device(make, next_token_loss, data, adamw())
     mesh = cpu_mesh((4, 2), ("fsdp", "dp"))
     options = {"update_in_backward": True, "skip_nonfinite": False} if update_in_backward else {}
@@ -81,7 +84,10 @@ def test_any_optax_chain_is_exact_on_a_model_that_is_not_the_gpt(mesh_name):
     clip and per-path transforms."""
     shape, names = FSDP8 if mesh_name == "fsdp8" else HSDP_TP
     data = mlp_batches(2)
-    make = lambda: ResMLP(nnx.Rngs(0))
+
+    def make():
+        return ResMLP(nnx.Rngs(0))
+
     ref_losses, ref_params, ref_norms, _ = train_single_device(make, mlp_loss, data, path_optimizer(0.5))
     strategy = Parallel(cpu_mesh(shape, names), plan=MLP_PLAN, remat=False)
     losses, params, _, _, metrics = engine_run(strategy, make, MLP_UNITS, data, path_optimizer(0.5))
@@ -104,7 +110,9 @@ def test_dropout_and_batchnorm_train_as_under_ddp():
 
     from jaxdist.ddp.run import DDP
 
-    make = lambda: Net([0.5, 2.0, -1.0], nnx.Rngs(0, dropout=3), input_dropout=0.2, dropout=0.3, batchnorm=True)
+    def make():
+        return Net([0.5, 2.0, -1.0], nnx.Rngs(0, dropout=3), input_dropout=0.2, dropout=0.3, batchnorm=True)
+
     batches = data(2, batch_size=64)
     ddp = DDP(cpu_mesh((8,), ("dp",)), zero1=False).prepare(make(), optax.sgd(0.1), net_loss, batches[0])
     ddp_state, ddp_losses = run_steps(ddp, batches)

@@ -53,7 +53,10 @@ def references():
     data = batches(STEPS)
     for tie in (False, True):
         cfg = dataclasses.replace(CFG, tie_embeddings=tie)
-        make = lambda cfg=cfg: GPT(cfg, nnx.Rngs(0))
+
+        def make(cfg=cfg):
+            return GPT(cfg, nnx.Rngs(0))
+
         out[tie] = {"single": train_single_device(make, next_token_loss, data, optax.adam(1e-3))}
         if tie:
             continue  # only the untied DDP run is compared with
@@ -201,7 +204,10 @@ def test_schedule_gathers_one_unit_ahead_and_scatters_behind(mesh):
     shard = f"f32[1,{block_size(run) // 8}]"
     sched = entry_schedule(run.step.lower(run.state, batches(1)[0]).compile().as_text())
     matmuls = positions(sched, "matmul")
-    before = lambda i: sum(m < i for m in matmuls)
+
+    def before(i):
+        return sum(m < i for m in matmuls)
+
     gathers = positions(sched, "all-gather", unit)
     scatters = positions(sched, "reduce-scatter", shard)
     assert len(gathers) == 8 and len(scatters) == 4  # 4 blocks gathered in forward and again in backward
@@ -262,7 +268,10 @@ def bf16_reference(make_model, data, optimizer, ranks: int = 8):
     cast to bf16 (a bf16 gradient, widened to float32 by the cast's transpose), the ranks' gradients
     averaged in float32 (reduce_dtype=float32), then optax on float32 parameters."""
     graphdef, params, rest = nnx.split(make_model(), nnx.Param, ...)
-    half = lambda p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
+
+    def half(p):
+        return jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
+
     grad = jax.jit(jax.value_and_grad(lambda p, b: next_token_loss(nnx.merge(graphdef, half(p), rest), b)))
     opt_state, losses = optimizer.init(params), []
     for batch in data:
@@ -288,8 +297,13 @@ BF16_LOSS_RTOL, BF16_PARAM_MEAN_ATOL, BF16_PARAM_ATOL = 5e-7, 1e-7, 2e-4
 def test_bf16_compute_matches_a_single_device_bf16_run_and_gathers_bf16(mesh):
     data = batches(3)
     model_cfg = dataclasses.replace(CFG, dtype=None)  # layers compute in their parameters' dtype
-    make = lambda: GPT(model_cfg, nnx.Rngs(0))
-    opt = lambda: optax.sgd(0.5, momentum=0.9)  # scale-sensitive
+
+    def make():
+        return GPT(model_cfg, nnx.Rngs(0))
+
+    def opt():
+        return optax.sgd(0.5, momentum=0.9)  # scale-sensitive
+
     ref_losses, ref_params = bf16_reference(make, data, opt())
     cfg = FSDP(mesh, compute_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
     losses, params, run, state = run_fsdp(cfg, model_cfg, data, opt())
@@ -312,7 +326,10 @@ def test_bf16_compute_matches_a_single_device_bf16_run_and_gathers_bf16(mesh):
 def test_update_in_backward_matches_single_device_sgd(mesh):
     """Each unit updated inside the step with SGD (scale-sensitive: a gradient off by a factor fails)."""
     data = batches(STEPS)
-    opt = lambda: optax.sgd(0.5, momentum=0.9)
+
+    def opt():
+        return optax.sgd(0.5, momentum=0.9)
+
     ref_losses, ref_params, *_ = train_single_device(lambda: GPT(CFG, nnx.Rngs(0)), next_token_loss, data, opt())
     losses, params, _, state = run_fsdp(FSDP(mesh, update_in_backward=True), CFG, data, opt())
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)

@@ -54,7 +54,10 @@ def _model(rngs, d=8, layers=2):
 
 def test_keep_activations_with_a_jitted_helper_in_the_block_matches_single_device():
     data = mlp_batches(2)
-    make = lambda: _model(nnx.Rngs(0))
+
+    def make():
+        return _model(nnx.Rngs(0))
+
     ref_losses, ref_params, ref_norms, _ = train_single_device(make, mlp_loss, data, optax.sgd(0.5))
     strategy = Parallel(cpu_mesh((8,), ("fsdp",)), remat=False)
     losses, params, _, _, metrics = engine_run(strategy, make, MLP_UNITS, data, optax.sgd(0.5))

@@ -8,7 +8,7 @@ sums over tp of per-rank pieces under the TP plan: a missing sum fails SGD's exa
 of the batches counts the same number of labels, so a mean of per-rank means is the global token mean
 and the mean-loss units apply; `PACKED_UNITS` (sum and count) is checked on rows that count differently.
 
-Tolerances (float32), as tests/test_ddp.py's: losses rtol 5e-6, gradient norms rtol 1e-5, parameters
+Tolerances (float32), as tests/ddp/test_ddp.py's: losses rtol 5e-6, gradient norms rtol 1e-5, parameters
 1e-4 per element and 5e-7 on average. The default run checks one data-parallel and one tensor-parallel
 layout per family and the pipeline; the other layouts are marked slow.
 """

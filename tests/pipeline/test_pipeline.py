@@ -58,7 +58,10 @@ GPT_CASES = {
 def test_gpt_matches_single_device(case):
     shape, names, tie, options = GPT_CASES[case]
     cfg = dataclasses.replace(GPT_CFG, tie_embeddings=tie)
-    make = lambda: GPT(cfg, nnx.Rngs(0))
+
+    def make():
+        return GPT(cfg, nnx.Rngs(0))
+
     batches = gpt_batches(STEPS)
     ref_losses, ref_params, _, _ = train_single_device(make, next_token_loss, batches, adamw())
     strategy = Pipelined(cpu_mesh(shape, names), plan=tp_plan_for(cfg), **options)
@@ -90,7 +93,10 @@ MLP_CASES = {
 @pytest.mark.parametrize("case", list(MLP_CASES))
 def test_a_model_that_is_not_the_gpt_matches_single_device(case):
     shape, names, blocks, options, optimizer = MLP_CASES[case]
-    make = lambda: ResMLP(nnx.Rngs(0), layers=blocks)
+
+    def make():
+        return ResMLP(nnx.Rngs(0), layers=blocks)
+
     batches = mlp_batches(STEPS)
     ref_losses, ref_params, _, _ = train_single_device(make, mlp_loss, batches, optimizer())
     losses, params = pipeline_run(Pipelined(cpu_mesh(shape, names), **options), make, MLP_UNITS, batches, optimizer())
@@ -226,7 +232,10 @@ def test_the_trainers_parallel_pp_trains_as_ddp_does(tmp_path):
     # test_train's settings (a 2-step warmup: the learning rate is not near zero in these 3 steps), so the
     # DDP run is the program of its plotted run, compiled once per test run
     base = [*BASE, "run.steps=3", "run.checkpoint_every=-1"]
-    load = lambda name, *extra: config_lib.load(None, [*base, f"run.out_dir={tmp_path / name}", *extra])
+
+    def load(name, *extra):
+        return config_lib.load(None, [*base, f"run.out_dir={tmp_path / name}", *extra])
+
     ddp = train(load("ddp"))
     pipelined = train(load("pp", "parallel.pp=2", "parallel.tp=2", "parallel.microbatches=2"))  # pp2 x dp2 x tp2
     np.testing.assert_allclose(pipelined, ddp, rtol=1e-5)
@@ -247,7 +256,10 @@ def test_nccl_pipeline_on_two_gpus_matches_xla_and_one_device(delay_us):
 
     mesh = Mesh(np.asarray(jax.devices("gpu")[:2]), ("pp",), axis_types=(AxisType.Explicit,))
     nccl.init(mesh)
-    make = lambda: GPT(GPT_CFG, nnx.Rngs(0))
+
+    def make():
+        return GPT(GPT_CFG, nnx.Rngs(0))
+
     batches = gpt_batches(STEPS)
     with jax.default_matmul_precision("highest"):
         ref_losses, ref_params, _, _ = train_single_device(make, next_token_loss, batches, adamw())

@@ -47,7 +47,10 @@ STEPS = 3
 def test_pipeline_trains_an_mlp_of_odd_sizes_as_one_device(shape, names, options, model):
     """Block leaves split over pp where a dimension divides, replicated (the scalar gate, the size-1
     shift, 7 x 13 kernels) where none does; clipped SGD with momentum and grad_norm are exact."""
-    make = lambda: OddMLP(nnx.Rngs(0), **model)
+
+    def make():
+        return OddMLP(nnx.Rngs(0), **model)
+
     data = odd_batches(STEPS)
     want = train_single_device(make, odd_loss, data, clipped_momentum())
     assert min(want[2]) > 0.05  # the clip is active

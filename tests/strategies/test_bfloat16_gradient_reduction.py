@@ -44,7 +44,10 @@ def reference_norm(model, loss_fn, global_batch, ranks: int, micro: int) -> floa
     parameters cast to bfloat16 (a bfloat16 gradient, widened by the cast's transpose where they are
     float32)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    half = lambda p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
+
+    def half(p):
+        return jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
+
     grad = jax.jit(jax.grad(lambda p, b: loss_fn(nnx.merge(graphdef, half(p), rest), b)))
     grads = []
     for local in (jax.tree.map(lambda x, r=r: np.split(x, ranks)[r], global_batch) for r in range(ranks)):
@@ -67,7 +70,10 @@ def test_accumulated_bfloat16_gradients_reduced_in_float32_keep_float32_precisio
 
 def test_pipeline_microbatches_of_bfloat16_compute_reduced_in_float32_keep_float32_precision():
     data = odd_batches(1, rows=64)[0]
-    make = lambda: OddMLP(nnx.Rngs(0), layers=4)
+
+    def make():
+        return OddMLP(nnx.Rngs(0), layers=4)
+
     strategy = Pipelined(
         cpu_mesh((2, 4), ("pp", "dp")), microbatches=4, compute_dtype=jnp.bfloat16, reduce_dtype=jnp.float32
     )

@@ -103,7 +103,10 @@ def test_the_clip_of_float64_gradients_is_exact_in_float64(name):
     rng = np.random.default_rng(0)
     with jax.enable_x64(True):
         batches = [{"x": rng.normal(size=(16, 4)), "y": rng.normal(size=(16, 2))} for _ in range(3)]
-        make = lambda: MLP64(nnx.Rngs(0))
+
+        def make():
+            return MLP64(nnx.Rngs(0))
+
         clip = train_single_device(make, loss64, batches[:1], optax.sgd(0.0))[2][0] / 3
         ref_losses, ref_params, ref_norms, _ = train_single_device(
             make, loss64, batches, optax.chain(optax.clip_by_global_norm(clip), optax.sgd(0.3))

@@ -89,7 +89,10 @@ def test_tp_on_odd_model_dims_with_an_even_hidden_size_matches_one_device():
     """d=7 (replicated over tp and not divisible by fsdp), hidden 6 split over tp=2 into pieces of 3
     that fsdp=2 cannot split either, scalar gates and size-1 shifts replicated over tp acting on
     whole activations (their gradient must not be summed over tp)."""
-    make = lambda: OddMLP(nnx.Rngs(0), hidden=6)
+
+    def make():
+        return OddMLP(nnx.Rngs(0), hidden=6)
+
     data = odd_batches(STEPS)
     want = train_single_device(make, odd_loss, data, clipped_momentum())
     for shape, names in (((2, 2, 2), ("dp", "fsdp", "tp")), ((4, 2), ("dp", "tp"))):
@@ -145,7 +148,9 @@ def masked_head(m, x, b):
     ids=["fsdp8", "dp2xfsdp2xtp2", "zero1-update-in-backward"],
 )
 def test_sum_and_count_is_the_global_mean_over_real_entries(shape, names, options):
-    make = lambda: OddMLP(nnx.Rngs(0), hidden=6)
+    def make():
+        return OddMLP(nnx.Rngs(0), hidden=6)
+
     data = masked_batches(STEPS)
     opt = optax.sgd(0.2, momentum=0.9)
     want = train_single_device(make, masked_loss, data, opt)
@@ -172,7 +177,10 @@ def test_a_weight_tied_between_embed_and_head_gets_both_gradients(shape, names, 
 
 def frozen_optimizer(clip: bool):
     """The blocks' `up` layers frozen (set_to_zero), everything else SGD with momentum (clipped)."""
-    label = lambda p: jax.tree_util.tree_map_with_path(lambda kp, _: "frozen" if "up" in str(kp) else "train", p)
+
+    def label(p):
+        return jax.tree_util.tree_map_with_path(lambda kp, _: "frozen" if "up" in str(kp) else "train", p)
+
     train = optax.sgd(0.2, momentum=0.9)
     frozen = optax.multi_transform({"frozen": optax.set_to_zero(), "train": train}, label)
     return optax.chain(optax.clip_by_global_norm(0.05), frozen) if clip else frozen
@@ -249,7 +257,10 @@ def ddp_masked_sum_and_count(model, batch):
 def test_ddp_sum_and_count_is_the_global_mean_over_real_entries(options):
     """Ranks (and micro-batches) hold different counts of real entries: with `sum_and_count` the
     loss and the SGD step are the single device's mean over all of them."""
-    make = lambda: OddMLP(nnx.Rngs(0), hidden=6)
+
+    def make():
+        return OddMLP(nnx.Rngs(0), hidden=6)
+
     data = uneven_masked_batches()
     opt = optax.sgd(0.2, momentum=0.9)
     want = train_single_device(make, masked_loss, data, opt)
@@ -262,7 +273,10 @@ def test_ddp_sum_and_count_is_the_global_mean_over_real_entries(options):
 def test_ddp_without_sum_and_count_averages_per_rank_means():
     """Why the option exists: each rank's own mean, averaged over ranks, is another loss (the test above
     can fail), and a loss_fn that returns a pair without the option is refused at prepare."""
-    make = lambda: OddMLP(nnx.Rngs(0), hidden=6)
+
+    def make():
+        return OddMLP(nnx.Rngs(0), hidden=6)
+
     data = uneven_masked_batches()
     want = train_single_device(make, masked_loss, data, optax.sgd(0.2))
     run = DDP(cpu_mesh((8,), ("dp",))).prepare(make(), optax.sgd(0.2), masked_loss, data[0])
@@ -290,7 +304,10 @@ def test_sequence_parallel_masked_mean_with_scalar_gates_on_the_token_chunks():
         }
         for b in masked_batches(STEPS)
     ]
-    make = lambda: OddMLP(nnx.Rngs(0), hidden=6, d_out=4, layers=2)
+
+    def make():
+        return OddMLP(nnx.Rngs(0), hidden=6, d_out=4, layers=2)
+
     want = train_single_device(make, masked_loss, data, clipped_momentum())
     units = Units(embed=ODD_UNITS.embed, head_loss=masked_head, blocks="layers", sum_and_count=True)
     strategy = Parallel(
@@ -392,7 +409,10 @@ def test_embed_or_head_reading_a_blocks_parameters_is_refused_not_computed_with_
     want = train_single_device(lambda: ReusesTheLastBlock(nnx.Rngs(0)), odd_loss, data, optax.sgd(0.1))
     ddp = DDP(cpu_mesh((8,), ("dp",))).prepare(ReusesTheLastBlock(nnx.Rngs(0)), optax.sgd(0.1), odd_loss, data[0])
     np.testing.assert_allclose(train(ddp, data)[0], want[0], rtol=LOSS_RTOL)
-    head = lambda m, x, b: jnp.mean((m.out(m.layers[-1](x)) * m.temperature - b["y"]) ** 2)
+
+    def head(m, x, b):
+        return jnp.mean((m.out(m.layers[-1](x)) * m.temperature - b["y"]) ** 2)
+
     units = Units(embed=ODD_UNITS.embed, head_loss=head, blocks="layers")
     with pytest.raises(ValueError, match="Units.head_loss reads parameters of the blocks \\(layers/2/"):
         Parallel(cpu_mesh((8,), ("fsdp",))).prepare(ReusesTheLastBlock(nnx.Rngs(0)), optax.sgd(0.1), units, data[0])

@@ -41,7 +41,10 @@ def fsdp_mesh():
 
 def test_fsdp_blocks_run_with_their_own_constants(fsdp_mesh):
     """Same parameter shapes, different fixed gains: each block must run with its own gain."""
-    make = lambda: Net([0.5, 2.0, -1.0], nnx.Rngs(0))
+
+    def make():
+        return Net([0.5, 2.0, -1.0], nnx.Rngs(0))
+
     batches = data(3)
     ref_losses, ref_params, *_ = train_single_device(make, net_loss, batches, optax.sgd(0.1))
     run = FSDP(fsdp_mesh).prepare(make(), optax.sgd(0.1), UNITS, batches[0])
@@ -55,7 +58,10 @@ def test_fsdp_blocks_run_with_their_own_constants(fsdp_mesh):
 def test_fsdp_runs_blocks_that_differ_in_static_attributes(fsdp_mesh):
     """Same parameter shapes, block 1 without tanh: each block runs its own definition, as on one device
     (FSDP is the unit engine, which keeps a graphdef per block)."""
-    make = lambda: Net([1.0, 1.0, 1.0], nnx.Rngs(0), acts=[True, False, True])
+
+    def make():
+        return Net([1.0, 1.0, 1.0], nnx.Rngs(0), acts=[True, False, True])
+
     batches = data(3)
     ref_losses, ref_params, *_ = train_single_device(make, net_loss, batches, optax.sgd(0.1))
     run = FSDP(fsdp_mesh).prepare(make(), optax.sgd(0.1), UNITS, batches[0])
@@ -71,7 +77,9 @@ def test_the_unit_engine_draws_the_masks_and_statistics_of_ddp(shape, names):
     same way, so both train identically (under TP every tp rank of a data rank draws the same mask)."""
     from jaxdist.tp import plan as tp_plan
 
-    make = lambda: Net([0.5, 2.0, -1.0], nnx.Rngs(0), input_dropout=0.2, dropout=0.3, batchnorm=True)
+    def make():
+        return Net([0.5, 2.0, -1.0], nnx.Rngs(0), input_dropout=0.2, dropout=0.3, batchnorm=True)
+
     batches = data(3, batch_size=64)
     ddp = DDP(cpu_mesh((shape[0],), ("dp",)), zero1=False).prepare(make(), optax.sgd(0.1), net_loss, batches[0])
     ddp_state, ddp_losses = run_steps(ddp, batches)
@@ -92,7 +100,10 @@ def test_the_unit_engine_draws_the_masks_and_statistics_of_ddp(shape, names):
 def test_dropout_streams_and_batch_statistics_move_from_ddp_to_the_engine_through_a_checkpoint(tmp_path):
     """The canonical model state is one pure dict for every layout: a DDP run saved after one step
     and restored onto the engine (which draws DDP's masks) continues as the uninterrupted DDP run."""
-    make = lambda: Net([0.5, 2.0, -1.0], nnx.Rngs(0), input_dropout=0.2, dropout=0.3, batchnorm=True)
+
+    def make():
+        return Net([0.5, 2.0, -1.0], nnx.Rngs(0), input_dropout=0.2, dropout=0.3, batchnorm=True)
+
     batches = data(3, batch_size=64)
     mesh = cpu_mesh((8,), ("dp",))
     ddp = DDP(mesh, zero1=False).prepare(make(), optax.sgd(0.1), net_loss, batches[0])
@@ -161,7 +172,9 @@ def test_dropout_masks_differ_per_rank_and_step_and_resume_exactly(dp_mesh, zero
     assert not np.array_equal(uninterrupted[0], uninterrupted[1])  # the stream advances every step
 
     # interrupted after one step: the train state through an orbax checkpoint into a fresh run
-    fresh = lambda: cfg.prepare(MaskProbe(nnx.Rngs(0, dropout=1)), optax.sgd(1.0), probe_loss, on_rank(0))
+    def fresh():
+        return cfg.prepare(MaskProbe(nnx.Rngs(0, dropout=1)), optax.sgd(1.0), probe_loss, on_rank(0))
+
     first = fresh()
     _, state = mask_step(first, first.state, 0)
     ckpt = Checkpoints(tmp_path, 1)
@@ -180,7 +193,10 @@ def test_dropout_masks_differ_per_rank_and_step_and_resume_exactly(dp_mesh, zero
 def test_fsdp_dropout_draws_the_masks_of_ddp_and_resumes_exactly(dp_mesh, fsdp_mesh):
     """Dropout in the embed unit and in every block; FSDP and DDP fold the same rank and step into
     the same keys, so they train alike, and an FSDP run resumed from its train state is exact."""
-    make = lambda: Net([1.0, 0.5, 2.0], nnx.Rngs(0, dropout=7), input_dropout=0.2, dropout=0.3)
+
+    def make():
+        return Net([1.0, 0.5, 2.0], nnx.Rngs(0, dropout=7), input_dropout=0.2, dropout=0.3)
+
     batches = data(3)
     ddp = DDP(dp_mesh).prepare(make(), optax.sgd(0.1), net_loss, batches[0])
     ddp_state, ddp_losses = run_steps(ddp, batches)
@@ -218,7 +234,10 @@ def per_rank_reference(make_model, loss_fn, batches, lr: float, accumulation: in
         return loss_fn(m, local), nnx.split(m, nnx.Param, ...)[2]
 
     grad_fn = jax.value_and_grad(local_loss, has_aux=True)
-    mean = lambda *xs: sum(xs) / len(xs)
+
+    def mean(*xs):
+        return sum(xs) / len(xs)
+
     losses = []
     for batch in batches:
         grads, rests, step_losses = [], [], []
@@ -243,7 +262,9 @@ def _bn_stats(model):
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "ddp-accumulate", "fsdp", "hsdp-update-in-backward"])
 def test_batchnorm_uses_local_batches_and_averages_running_stats(dp_mesh, fsdp_mesh, strategy):
-    make = lambda: Net([1.0, 0.5], nnx.Rngs(0), batchnorm=True)
+    def make():
+        return Net([1.0, 0.5], nnx.Rngs(0), batchnorm=True)
+
     # 16 samples per rank: statistics of only 2 samples (8 ranks, 2 micro-batches of a 32 batch) make
     # BatchNorm's backward amplify float32 rounding past the tolerance
     batches = data(2, batch_size=128)

@@ -43,7 +43,10 @@ class QKNormAttention(nnx.Module):
         h = self.norm(x)
         if self.gain is not None:  # one replicated scalar on replicated and on tp-split values
             h = h * self.gain[...]
-        heads = lambda a: a.reshape(*a.shape[:-1], self.n_heads, -1)
+
+        def heads(a):
+            return a.reshape(*a.shape[:-1], self.n_heads, -1)
+
         q, k, v = self.q_norm(heads(self.q(h))), self.k_norm(heads(self.k(h))), heads(self.v(h))
         if self.gain is not None:
             q = q * self.gain[...]
@@ -126,7 +129,10 @@ def test_replicated_parameters_on_split_or_gathered_activations_get_the_single_d
     (summed). SGD parameters and the gradient norm match one device."""
     data = batches(2)
     sgd = optax.sgd(0.3)
-    make = lambda: QKNormModel(nnx.Rngs(0))
+
+    def make():
+        return QKNormModel(nnx.Rngs(0))
+
     ref_losses, ref_params, ref_norms, _ = train_single_device(make, loss_fn, data, sgd)
     strategy = Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=PLAN, **SEQPAR[seqpar])
     losses, params, run, _, metrics = engine_run(strategy, make, UNITS, data, sgd)
@@ -140,7 +146,10 @@ def test_replicated_parameters_on_split_or_gathered_activations_get_the_single_d
 def test_a_replicated_parameter_on_replicated_and_split_values_at_once_raises():
     """One scalar gain on the normalized (replicated) activations and on the local q heads: its
     gradient is one part whole and one part per rank, which no single sum over tp makes right."""
-    make = lambda: QKNormModel(nnx.Rngs(0), layers=1, gain_on_both=True)
+
+    def make():
+        return QKNormModel(nnx.Rngs(0), layers=1, gain_on_both=True)
+
     strategy = Parallel(cpu_mesh((1, 2), ("dp", "tp")), plan=PLAN)
     with pytest.raises(ValueError, match=r"layers/0/gain.*tp"):
         strategy.prepare(make(), optax.sgd(0.1), UNITS, batches(1)[0])

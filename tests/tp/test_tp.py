@@ -43,7 +43,10 @@ def test_nnx_layers_equal_the_dense_computation():
     tokens = rng.integers(0, 12, (2, 3)).astype(np.int32)
     # each rank's pieces, stacked along a leading axis that shard_map splits
     pieces = [(tp.ColumnParallelLinear.split(w1, b1, r, 4), tp.RowParallelLinear.split(w2, b2, r, 4)) for r in range(4)]
-    stack = lambda get: np.stack([get(p) for p in pieces])
+
+    def stack(get):
+        return np.stack([get(p) for p in pieces])
+
     w1s, b1s, w2s = stack(lambda p: p[0][0]), stack(lambda p: p[0][1]), stack(lambda p: p[1][0])
     tables = np.stack([tp.VocabParallelEmbed.split(table, r, 4) for r in range(4)])
 
@@ -57,7 +60,10 @@ def test_nnx_layers_equal_the_dense_computation():
     f = jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(split, split, split, split, P()), out_specs=P(), check_vma=False)
     )
-    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+
+    def put(a, spec):
+        return jax.device_put(a, NamedSharding(mesh, spec))
+
     out = f(put(w1s, split), put(b1s, split), put(w2s, split), put(tables, split), put(tokens, P()))
     expected = np.tanh(table[tokens] @ w1 + b1) @ w2 + b2
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)

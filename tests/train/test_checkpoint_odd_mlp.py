@@ -40,7 +40,9 @@ def mse(model, batch):
 
 
 def make_optimizer():
-    matrices = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+    def matrices(p):
+        return jax.tree.map(lambda x: x.ndim > 1, p)
+
     return optax.chain(
         optax.clip_by_global_norm(0.5),
         optax.add_decayed_weights(1e-2, mask=matrices),
