@@ -21,8 +21,9 @@ from jaxdist.engine.layout import Layout, piece_shape, whole_shape
 from jaxdist.engine.options import Options
 from jaxdist.engine.units import ModelSplit, call_block
 from jaxdist.tp import layers as tp_math
+from jaxdist.tp.bind import Binding, bind
 from jaxdist.tp.grads import tp_summed
-from jaxdist.tp.plan import Binding, ResolvedPlan, bind
+from jaxdist.tp.plan import ResolvedPlan
 
 
 def block_leaf_groups(split: ModelSplit, layout: Layout) -> list[list[int]]:

@@ -19,7 +19,7 @@ from jaxdist.core.per_leaf import owners
 from jaxdist.core.step import TrainState, on_auto_axes
 from jaxdist.engine.layout import Layout, Leaf
 from jaxdist.engine.units import ModelSplit
-from jaxdist.tp.plan import from_storage, to_storage
+from jaxdist.tp.storage import from_storage, to_storage
 
 
 class CanonicalForm:

@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.core.canonical import mirror_map
 from jaxdist.core.step import TrainState
 from jaxdist.engine.options import Options
-from jaxdist.tp.plan import ResolvedPlan, from_storage, to_storage
+from jaxdist.tp.plan import ResolvedPlan
+from jaxdist.tp.storage import from_storage, to_storage
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,7 @@
-"""Tensor parallelism: plans as data (`plan`), the Megatron layer math inside `shard_map` (`layers`),
-and which replicated parameters' gradients sum over tp (`grads`).
+"""Tensor parallelism: plans as data (`plan`, its `placement`s), bound onto a model's own layers
+(`bind`, with the pieces in `storage` order), the vocabulary-parallel loss (`vocab_loss`), the
+Megatron layer math inside `shard_map` (`layers`), and which replicated parameters' gradients sum
+over tp (`grads`).
 
 A plan names a model's layers and how each splits (`TPPlan({"blocks/*/attn/qkv": column(), ...})`);
 the engine binds it to the model. The layer functions are for code that writes its own

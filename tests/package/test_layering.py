@@ -28,6 +28,9 @@ LAYERS = {
     "jaxdist.cp": 3,  # context parallelism: batch layout and attention over comm, below the engine
     "jaxdist.engine.prefetch": 3,
     "jaxdist.pipeline.schedule": 3,
+    "jaxdist.tp.placement": 3,
+    "jaxdist.tp.vocab_loss": 3,
+    "jaxdist.tp.storage": 3,
     "jaxdist.tp": 4,
     "jaxdist.engine.residuals": 4,
     "jaxdist.ddp": 5,

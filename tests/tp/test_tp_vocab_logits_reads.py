@@ -14,6 +14,7 @@ from support.meshes import cpu_mesh
 from jaxdist.engine.run import Parallel
 from jaxdist.models.gpt import GPT, UNITS, GPTConfig, tp_plan_for
 from jaxdist.tp import plan as tp_plan
+from jaxdist.tp.bind import Binding
 
 MISUSE = "only jaxdist.tp.plan.cross_entropy"
 LABELS = jnp.zeros((2, 3), jnp.int32)
@@ -41,7 +42,7 @@ READS = {
 
 @pytest.mark.parametrize("read", list(READS))
 def test_every_read_of_split_logits_but_the_parallel_loss_raises_the_documented_error(read):
-    logits = tp_plan.VocabShardedLogits(jnp.zeros((2, 3, 8)), tp_plan.Binding("tp", 2))
+    logits = tp_plan.VocabShardedLogits(jnp.zeros((2, 3, 8)), Binding("tp", 2))
     with pytest.raises(ValueError, match=MISUSE):
         READS[read](logits)
     assert logits.shape == (2, 3, 8)  # its shape and dtype stay readable (they are not the values)
