@@ -7,7 +7,7 @@ import importlib.abc
 import sys
 
 MOVED = {
-    "jaxdist._compat": "jaxdist.core.compat",
+    "jaxdist._compat": "jaxdist.compat",
     "jaxdist._step": "jaxdist.core.step",
     "jaxdist.canonical": "jaxdist.core.canonical",
     "jaxdist.contract": "jaxdist.core.contract",

@@ -9,7 +9,7 @@ import numpy as np
 from jax import lax
 
 from jaxdist.comm._types import Handle, Token
-from jaxdist.core.compat import manual_axes
+from jaxdist.compat import manual_axes
 
 AxisName = str | tuple[str, ...]
 

@@ -24,7 +24,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jaxdist.core.compat import hlo_optimization_barrier
+from jaxdist.compat import hlo_optimization_barrier
 
 sequence_p = Primitive("jaxdist_sequence")
 sequence_p.multiple_results = True

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import get_opaque_trace_state
 
-from jaxdist.core.compat import manual_axes
+from jaxdist.compat import manual_axes
 
 DEFAULT_CHAIN = "default"
 _REBUILT = object()  # the trace of a handle rebuilt from pytree leaves: unknown

@@ -38,7 +38,7 @@ from jaxdist.comm._checks import as_axis_names
 from jaxdist.comm._ffi_call import ffi_call
 from jaxdist.comm._sequence import sequence
 from jaxdist.comm.watchdog import NcclTimeoutError, check, flight_record, set_recorder  # noqa: F401  (public API)
-from jaxdist.core.compat import varying_axes
+from jaxdist.compat import varying_axes
 
 NCCL_LIBRARY_ENV = "JAXDIST_NCCL_LIBRARY"
 TIMEOUT_ENV = "JAXDIST_NCCL_TIMEOUT_S"

@@ -1,9 +1,8 @@
 """What every strategy shares: the train state and step, the run contract, the canonical form,
-model state, per-leaf optimizer state, and the shims over JAX internals (`compat`).
+model state and per-leaf optimizer state.
 
-Lower than every strategy and, except `compat`, above `jaxdist.comm`; nothing here knows which
-strategy runs. Names load on first use, so `jaxdist.comm` can import `jaxdist.core.compat`
-without starting the rest.
+Above `jaxdist.comm` and `jaxdist.compat` (the shims over JAX internals), below every strategy;
+nothing here knows which strategy runs. Names load on first use.
 """
 
 import importlib

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist import comm
-from jaxdist.core.compat import model_sharding_dropped
+from jaxdist.compat import model_sharding_dropped
 
 
 def training_copy(model: nnx.Module) -> nnx.Module:

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
-from jaxdist.core.compat import on_mesh
+from jaxdist.compat import on_mesh
 from jaxdist.core.model_state import keep_if
 
 

@@ -1,7 +1,7 @@
 """The model's own attention over the whole context: keys and values all-gathered over cp.
 
 Inside `attention_over`, every call this thread makes to `jax.nn.dot_product_attention` (the
-model's own, through any module's reference to it: `jaxdist.core.compat.routed`) runs
+model's own, through any module's reference to it: `jaxdist.compat.routed`) runs
 `_attention`: the local queries (this rank's two chunks) attend to the keys and values of every
 cp rank, gathered along the sequence (tiled, in rank order: `layout.gathered_indices`), under one
 boolean mask built from global token indices: `is_causal`, `local_window_size`, and the model's
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdist import comm
-from jaxdist.core.compat import routed
+from jaxdist.compat import routed
 from jaxdist.cp.batch import POSITIONS
 from jaxdist.cp.layout import chunk_len, gathered_indices, local_indices, traced_local_indices
 

@@ -49,8 +49,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
+from jaxdist.compat import model_sharding_dropped
 from jaxdist.core.canonical import canonical_avals, check_canonical, mirrored_shardings, resharding, with_shardings
-from jaxdist.core.compat import model_sharding_dropped
 from jaxdist.core.model_state import ModelState, keep_if, split_for_training
 from jaxdist.core.step import (
     PlacedStep,

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import cp
-from jaxdist.core.compat import model_sharding_dropped
+from jaxdist.compat import model_sharding_dropped
 from jaxdist.engine.layout import Layout, piece_shape, whole_shape
 from jaxdist.engine.options import Options
 from jaxdist.engine.units import ModelSplit, call_block

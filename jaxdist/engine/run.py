@@ -46,7 +46,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import cp
-from jaxdist.core.compat import on_mesh
+from jaxdist.compat import on_mesh
 from jaxdist.core.model_state import training_copy
 from jaxdist.core.per_leaf import check_per_leaf, owners
 from jaxdist.core.step import PlacedStep, TrainState, on_auto_axes, on_own_mesh, own_mesh

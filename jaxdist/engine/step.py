@@ -19,7 +19,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
-from jaxdist.core.compat import model_sharding_dropped
+from jaxdist.compat import model_sharding_dropped
 from jaxdist.core.model_state import keep_if
 from jaxdist.core.step import TrainState, optimizer_step
 from jaxdist.engine.apply import UnitCode

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdist.core.compat import model_sharding_dropped
+from jaxdist.compat import model_sharding_dropped
 from jaxdist.core.model_state import ModelState, split_params
 from jaxdist.engine.options import Options, Units
 from jaxdist.tp.plan import CallLog, ResolvedPlan

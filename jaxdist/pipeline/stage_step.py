@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 
 from jaxdist import comm
-from jaxdist.core.compat import model_sharding_dropped
+from jaxdist.compat import model_sharding_dropped
 from jaxdist.engine.options import Options, axis_arg
 from jaxdist.engine.run import EngineParts
 from jaxdist.engine.unit_comm import by_dtype

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.core.compat import varying_axes
+from jaxdist.compat import varying_axes
 from jaxdist.tp.layers import SCOPE
 
 # Bits of a cotangent's mask: it is reached along paths with no, one, or more of JAX's sums over tp.

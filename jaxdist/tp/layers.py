@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdist import comm
-from jaxdist.core.compat import varying_axes
+from jaxdist.compat import varying_axes
 
 # The name scope of every collective these layers issue in backward. Under `shard_map(check_vma=True)`
 # JAX sums a gradient over an axis wherever a value invariant over it met a varying one; the sums

@@ -11,7 +11,7 @@ from support.meshes import cpu_mesh
 
 from jaxdist.comm import nccl
 from jaxdist.comm.xla import XLA_BACKEND
-from jaxdist.core.compat import varying_axes
+from jaxdist.compat import varying_axes
 
 OPS = {
     "all_reduce": {"op": "sum"},

@@ -1,4 +1,4 @@
-"""`jaxdist.core.compat.routed`: while inside, this thread's calls to a function through any module's
+"""`jaxdist.compat.routed`: while inside, this thread's calls to a function through any module's
 reference to it run the replacement; other threads, and every call after, run the original."""
 
 import sys
@@ -7,7 +7,7 @@ import types
 
 import jax
 
-from jaxdist.core.compat import routed
+from jaxdist.compat import routed
 
 
 def test_a_call_through_any_modules_reference_is_routed_in_this_thread_only():

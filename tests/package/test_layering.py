@@ -1,4 +1,4 @@
-"""The package reads bottom-up: core.compat, comm, core, layer math and schedule cores, strategies, models, train.
+"""The package reads bottom-up: compat, comm, core, layer math and schedule cores, strategies, models, train.
 
 Each folder of `jaxdist/` is one subpackage (comm, core, ddp, engine, tp, pipeline, models,
 train); inside one, modules have their own layer (the tp plan sits above the tp layer math). A
@@ -19,7 +19,7 @@ LAYERS = {
     "jaxdist": 12,  # the package's __init__ imports what it exposes
     "jaxdist._xla_flags": 0,
     "jaxdist._moved": 0,
-    "jaxdist.core.compat": 0,  # shims over JAX internals, below everything
+    "jaxdist.compat": 0,  # shims over JAX internals, below everything
     "jaxdist.comm": 1,
     "jaxdist.core": 2,
     "jaxdist.ddp.buckets": 2,
