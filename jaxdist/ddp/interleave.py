@@ -2,7 +2,7 @@
 
 This is how jaxdist overlaps communication with the compute of a model it did
 not write: trace `value_and_grad(loss)` to a jaxpr, then evaluate it here. A
-`Schedule` is told just before the first equation that reads a group of lazy
+`InterleaveSchedule` is told just before the first equation that reads a group of lazy
 inputs (for example one bucket of sharded parameters, which it then gathers)
 and just after the last equation that produces a group of outputs (one bucket
 of gradients, which it then reduces). It may tie the next equation's inputs to
@@ -30,7 +30,7 @@ class Lazy:
 LAZY = Lazy()
 
 
-class Schedule:
+class InterleaveSchedule:
     """Callbacks of `eval_interleaved`; the default does nothing."""
 
     def fetch(self, group: Hashable, ties: tuple) -> tuple[Mapping[int, Any], tuple]:
@@ -62,7 +62,7 @@ def first_use_order(closed: ClosedJaxpr, lazy: Mapping[int, Hashable], unread: b
 def eval_interleaved(
     closed: ClosedJaxpr,
     args: Sequence,
-    schedule: Schedule,
+    schedule: InterleaveSchedule,
     *,
     lazy: Mapping[int, Hashable] = {},  # noqa: B006 - read only
     watch: Mapping[int, Hashable] = {},  # noqa: B006 - read only

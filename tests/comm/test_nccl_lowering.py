@@ -3,7 +3,7 @@
 The nccl backend lowers an async op to a pair of XLA custom calls, `jaxdist_nccl_start` and
 `jaxdist_nccl_wait`. A start whose wait is missing leaves NCCL writing on a side stream into a
 buffer XLA may already have given to something else: silent corruption on a GPU that no CPU run
-can see (the bug fixed in jaxdist/ddp/run.py's `_BucketSchedule.drain`). So each strategy's train step
+can see (the bug fixed in jaxdist/ddp/bucket_schedule.py's `BucketSchedule.drain`). So each strategy's train step
 is traced with `backend="nccl"` and lowered for CUDA, which needs no GPU (tracing reads only a
 communicator's key, patched here), and its custom calls are read: as many waits as starts, at
 least one start (every strategy here overlaps communication, so the check cannot pass vacuously),
