@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxdist.tp import layers as tp_math
 from jaxdist.tp.placement import LINEAR, Equation
-from jaxdist.tp.plan import Layer, ResolvedPlan, _call_equation, _static_equation, _weight_name
+from jaxdist.tp.plan import Layer, ResolvedPlan, call_equation, static_equation, weight_name
 from jaxdist.tp.vocab_loss import VocabShardedLogits
 
 
@@ -58,19 +58,19 @@ class _NoBias:
 def _equation_now(self, called: str | None) -> Equation | None:
     """The equation of this call of a placed or checked layer (its weight's local shape)."""
     layer: Layer | None = getattr(self, "_jaxdist_layer", None)
-    param = layer.param if layer is not None else _weight_name(self)
+    param = layer.param if layer is not None else weight_name(self)
     weight = getattr(self, param, None) if param is not None else None
     ndim = getattr(weight, "ndim", None)
     if ndim is None:
         return None
-    return (Equation.parse(called, ndim) if called else None) or _static_equation(self, ndim)
+    return (Equation.parse(called, ndim) if called else None) or static_equation(self, ndim)
 
 
 def _check_features(self, x, kind: str, equation: Equation | None) -> None:
     """A plan whose layers do not chain (a row layer fed whole activations, a column or replicated layer
     fed one rank's features) is an error naming the layer, not a shape error inside its matmul."""
     layer: Layer | None = getattr(self, "_jaxdist_layer", None)
-    param = layer.param if layer is not None else _weight_name(self)
+    param = layer.param if layer is not None else weight_name(self)
     weight = getattr(self, param, None) if param is not None else None
     if weight is None or equation is None or not hasattr(x, "shape"):
         return
@@ -244,7 +244,7 @@ def _map_arg(args, kwargs, where, fn):
 def _any_column(self, *args, **kwargs):
     """A layer of another type: its own call, whole, on its pieces after the column's entry."""
     where = _array_arg(args, kwargs)
-    equation = _equation_now(self, _call_equation(self, args, kwargs))
+    equation = _equation_now(self, call_equation(self, args, kwargs))
     x = args[where] if isinstance(where, int) else kwargs.get(where)
     _check_features(self, x, "column", equation)
     args, kwargs = _map_arg(args, kwargs, where, self._jaxdist_tp.enter)
@@ -253,7 +253,7 @@ def _any_column(self, *args, **kwargs):
 
 def _any_row(self, *args, **kwargs):
     where = _array_arg(args, kwargs)
-    equation = _equation_now(self, _call_equation(self, args, kwargs))
+    equation = _equation_now(self, call_equation(self, args, kwargs))
     _check_features(self, args[where] if isinstance(where, int) else kwargs.get(where), "row", equation)
     y = self._jaxdist_tp.leave(type(self).__mro__[1].__call__(_NoBias(self), *args, **kwargs))
     bias = getattr(self, "bias", None)

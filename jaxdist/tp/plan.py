@@ -199,7 +199,7 @@ def _weight_split(module, split: dict) -> bool:
     return any(getattr(getattr(module, k), "ndim", 0) >= 2 for k in split)
 
 
-def _static_equation(module, ndim: int) -> Equation | None:
+def static_equation(module, ndim: int) -> Equation | None:
     """The weight's equation as the layer's type or attributes say it, before any call."""
     if isinstance(module, nnx.Linear):
         return LINEAR
@@ -224,13 +224,13 @@ def _placement_from_split(where: str, module, split: dict) -> Placement:
     """The placement whose split dims (counted from the end) are the annotated ones, or raise."""
     if isinstance(module, nnx.Embed) and split == {"embedding": [-2]}:
         return vocab()
-    param = _weight_name(module) if not isinstance(module, nnx.Embed) else None
+    param = weight_name(module) if not isinstance(module, nnx.Embed) else None
     dims = split.get(param) if param is not None else None
     others = {k: d for k, d in split.items() if k not in (param, "bias")}
     weight = getattr(module, param) if param is not None else None
     if dims is not None and len(dims) == 1 and not others:
         ndim = weight.ndim  # a stacked layer's weight has a leading layer axis more than its equation
-        equation = _static_equation(module, ndim)
+        equation = static_equation(module, ndim)
         if equation is None and isinstance(getattr(module, "einsum_str", None), str):
             equation = Equation.parse(module.einsum_str, ndim - 1)
         if equation is not None and -len(equation.w) <= dims[0]:
@@ -256,7 +256,7 @@ def _placement_from_split(where: str, module, split: dict) -> Placement:
     )
 
 
-def _weight_name(module) -> str | None:
+def weight_name(module) -> str | None:
     """`kernel`, else the module's one parameter of two or more dimensions, else None."""
     if isinstance(getattr(module, "kernel", None), nnx.Param):
         return "kernel"
@@ -316,7 +316,7 @@ def _resolve_layer(where: str, module, placement: Placement, size: int, called: 
         if module.num_embeddings % size:
             raise ValueError(f"TPPlan: {where}: vocabulary {module.num_embeddings} must divide by tp={size}")
         return Layer(where, placement, "embedding", tuple(module.embedding.shape), 0, None)
-    param = placement.param or _weight_name(module)
+    param = placement.param or weight_name(module)
     weight = getattr(module, param, None) if param is not None else None
     if not isinstance(weight, nnx.Param) or getattr(weight, "ndim", 0) < 1:
         if placement.param is not None:
@@ -327,7 +327,7 @@ def _resolve_layer(where: str, module, placement: Placement, size: int, called: 
         )
     shape = tuple(weight.shape)
     equation = Equation.parse(called, len(shape)) if called else None
-    equation = equation or _static_equation(module, len(shape))
+    equation = equation or static_equation(module, len(shape))
     dim = _split_dim(where, placement, param, weight, shape, equation)
     if shape[dim] % (size * placement.groups):
         raise ValueError(
@@ -494,7 +494,7 @@ class CallLog:
         return out
 
 
-def _call_equation(module, args, kwargs) -> str | None:
+def call_equation(module, args, kwargs) -> str | None:
     """The einsum equation a layer is called with: an `einsum_str` argument or attribute, or any string
     argument with `->` (a layer called as `layer("BTD,DNH->BTNH", x)`)."""
     for value in (kwargs.get("einsum_str"), *args, *kwargs.values(), getattr(module, "einsum_str", None)):
@@ -505,7 +505,7 @@ def _call_equation(module, args, kwargs) -> str | None:
 
 def _recording_call(self, *args, **kwargs):
     log, path = self._jaxdist_log
-    log.record(path, _call_equation(self, args, kwargs))
+    log.record(path, call_equation(self, args, kwargs))
     return type(self).__mro__[1].__call__(self, *args, **kwargs)
 
 
