@@ -50,7 +50,7 @@ def docs_commands(page: str) -> list[list[str]]:
 def test_the_data_pages_example_runs_after_the_quick_start(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "books").mkdir()
-    shutil.copy(REPO / "jaxdist/train/corpus/river.txt", tmp_path / "books" / "river.txt")
+    shutil.copy(REPO / "jaxdist/train/data/corpus/river.txt", tmp_path / "books" / "river.txt")
     assert cli.main(["train", str(TINY), *CHEAP]) == 0  # the quick start: runs/tiny, bytes
     commands = docs_commands("data.md")
     assert [c[:2] for c in commands] == [["jaxdist", "prepare-data"], ["jaxdist", "train"], ["jaxdist", "sample"]]
