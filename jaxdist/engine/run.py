@@ -58,7 +58,7 @@ from jaxdist.engine.step import UnitGrads, train_step
 from jaxdist.engine.unit_comm import UnitComm
 from jaxdist.engine.units import ModelSplit
 
-__all__ = ["EngineParts", "Parallel", "ParallelRun", "Units"]
+__all__ = ["EngineParts", "Parallel", "ParallelRun", "PartsRun", "Units"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,35 +201,16 @@ def per_cp_rank(cfg: Options, length: int, local_grads: Callable) -> Callable:
     return on_rank
 
 
-class ParallelRun:
-    """A prepared run: `state`, `step(state, batch) -> (state, metrics)`, `params(state)`, `model(state)`,
-    and the canonical (checkpoint) form; `parts` are its `EngineParts`."""
+class PartsRun:
+    """The run contract (`jaxdist.core.contract.Run`) over `self.parts`, an `EngineParts`: what every run
+    built from the engine's parts offers besides its `state` and `step` (`ParallelRun`, and the
+    pipeline's `PipelineRun`)."""
 
-    def __init__(self, cfg: Options, model: nnx.Module, optimizer, units: Units, batch):
-        self.cfg, self.optimizer, self.units = cfg, optimizer, units
-        self.parts = parts = EngineParts.build(cfg, model, optimizer, units, batch)
-        self.mesh, self.state, self.state_shardings = parts.mesh, parts.state, parts.state_shardings
-        grads = UnitGrads(cfg, parts.code, parts.comm, optimizer, parts.opt_owners)
-        self._step, self.step = parts.placed_step(grads, parts.code.aux_specs)
-
-    @property
-    def leaves(self) -> list[Leaf]:
-        """Every parameter's leaf (`jaxdist.engine.layout.Leaf`), in the model's tree order."""
-        return self.parts.layout.leaves
+    parts: EngineParts
 
     @property
     def n_blocks(self) -> int:
         return self.parts.split.n_blocks
-
-    @property
-    def tied(self) -> list[int]:
-        """The leaves both the embed and the head read (a tied embedding)."""
-        return self.parts.code.tied
-
-    @property
-    def sequence_dim(self) -> int:
-        """The activations' dimension sequence parallelism splits over tp."""
-        return self.parts.code.sequence_dim
 
     @on_own_mesh
     def params(self, state: TrainState) -> nnx.State:
@@ -264,3 +245,30 @@ class ParallelRun:
     def _from_canonical(self, tree: TrainState) -> TrainState:
         """`from_canonical`'s traced conversion (no checks, not jitted): for reading its compiled program."""
         return self.parts.canonical.from_canonical(tree)
+
+
+class ParallelRun(PartsRun):
+    """A prepared run: `state`, `step(state, batch) -> (state, metrics)`, `params(state)`, `model(state)`,
+    and the canonical (checkpoint) form; `parts` are its `EngineParts`."""
+
+    def __init__(self, cfg: Options, model: nnx.Module, optimizer, units: Units, batch):
+        self.cfg, self.optimizer, self.units = cfg, optimizer, units
+        self.parts = parts = EngineParts.build(cfg, model, optimizer, units, batch)
+        self.mesh, self.state, self.state_shardings = parts.mesh, parts.state, parts.state_shardings
+        grads = UnitGrads(cfg, parts.code, parts.comm, optimizer, parts.opt_owners)
+        self._step, self.step = parts.placed_step(grads, parts.code.aux_specs)
+
+    @property
+    def leaves(self) -> list[Leaf]:
+        """Every parameter's leaf (`jaxdist.engine.layout.Leaf`), in the model's tree order."""
+        return self.parts.layout.leaves
+
+    @property
+    def tied(self) -> list[int]:
+        """The leaves both the embed and the head read (a tied embedding)."""
+        return self.parts.code.tied
+
+    @property
+    def sequence_dim(self) -> int:
+        """The activations' dimension sequence parallelism splits over tp."""
+        return self.parts.code.sequence_dim

@@ -40,10 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from flax import nnx
-
-from jaxdist.core.step import TrainState, on_own_mesh
-from jaxdist.engine.run import EngineParts, Parallel, Units
+from jaxdist.engine.run import EngineParts, Parallel, PartsRun, Units
 from jaxdist.pipeline import schedule as ps
 from jaxdist.pipeline.placement import StagePlacement, pp_spec
 from jaxdist.pipeline.stage_step import ScheduleGrads, micro_avals, tick_plan
@@ -107,7 +104,7 @@ class Pipelined(Parallel):
         return PipelineRun(self, model, optimizer, units, batch)
 
 
-class PipelineRun:
+class PipelineRun(PartsRun):
     """A prepared pipelined run: `state`, `step`, `params`, `model` and the canonical form as
     `ParallelRun`'s; `table` is the schedule it runs (print it), `plan` its arrays, `parts` its
     `EngineParts`."""
@@ -148,37 +145,3 @@ class PipelineRun:
             )
         grads = ScheduleGrads(cfg, parts, self.table, self.plan, self.placement)
         self._step, self.step = parts.placed_step(grads)
-
-    @property
-    def n_blocks(self) -> int:
-        return self.parts.split.n_blocks
-
-    @on_own_mesh
-    def params(self, state: TrainState) -> nnx.State:
-        """The full parameters of `state` as the single-device model holds them (an `nnx.State`), replicated."""
-        return self.parts.params(state)
-
-    @on_own_mesh
-    def model(self, state: TrainState) -> nnx.Module:
-        """An NNX model holding the parameters of `state`."""
-        return self.parts.model(state)
-
-    @on_own_mesh
-    def canonical_shardings(self) -> TrainState:
-        """Where the canonical state lives (`jaxdist.engine.canonical.CanonicalForm.shardings`)."""
-        return self.parts.canonical.shardings()
-
-    @on_own_mesh
-    def canonical_target(self) -> TrainState:
-        """The canonical state's ShapeDtypeStructs with shardings (what a checkpoint restores onto)."""
-        return self.parts.canonical.target()
-
-    @on_own_mesh
-    def canonical(self, state: TrainState) -> TrainState:
-        """`state` in the canonical form (single-device shapes and order), resharded inside jit."""
-        return self.parts.canonical.to_canonical_jit(state)
-
-    @on_own_mesh
-    def from_canonical(self, tree: TrainState) -> TrainState:
-        """This run's state from a canonical one (e.g. restored from a checkpoint of another layout)."""
-        return self.parts.canonical.from_canonical_checked(tree)
