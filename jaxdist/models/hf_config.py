@@ -192,7 +192,9 @@ def _gemma(hf: dict, arch: str) -> dict[str, Any]:
         sliding_window=_get(hf, "sliding_window", 4096),
         global_every=_global_every(hf, arch),
         query_pre_attn_scalar=float(_get(hf, "query_pre_attn_scalar", out["head_dim"])),
-        attn_softcap=hf.get("attn_logit_softcapping"),
+        # transformers' Gemma 3 attention never soft-caps its logits (the key is read by Gemma 2 only; the
+        # released Gemma 3 configs leave it null): a checkpoint means what that implementation computes
+        attn_softcap=hf.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None,
         final_softcap=hf.get("final_logit_softcapping"),
         norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
     )
@@ -255,6 +257,12 @@ def write(family: str, cfg, torch_dtype: str) -> dict[str, Any]:
                 "a Gemma model without q/k norms is Gemma 2, which has one rope_theta and global_every=2; "
                 f"this one has rope_theta_local={cfg.rope_theta_local}, rope_theta_global={cfg.rope_theta_global}, "
                 f"global_every={cfg.global_every}"
+            )
+        if not gemma2 and cfg.attn_softcap is not None:
+            raise HFConfigError(
+                f"a Gemma model with q/k norms is Gemma 3, whose attention has no soft-cap in transformers (it "
+                f"ignores attn_logit_softcapping), and it would compute other logits than this model with "
+                f"attn_softcap={cfg.attn_softcap}: export a model with attn_softcap=None"
             )
         out = {
             **common,

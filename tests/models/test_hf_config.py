@@ -54,7 +54,8 @@ def test_gemma3_layer_types_and_per_kind_rope_read_as_the_pattern_keys():
     family, kw = hf_config.read(hf_configs.GEMMA3)
     assert family == "gemma" and kw["global_every"] == 2 and kw["sliding_window"] == 4
     assert (kw["rope_theta_local"], kw["rope_theta_global"]) == (10000.0, 1000000.0)
-    assert (kw["query_pre_attn_scalar"], kw["attn_softcap"], kw["final_softcap"]) == (12, 20.0, 15.0)
+    # Gemma 3's attention has no soft-cap: transformers ignores attn_logit_softcapping there
+    assert (kw["query_pre_attn_scalar"], kw["attn_softcap"], kw["final_softcap"]) == (12, None, 15.0)
     newer = changed(hf_configs.GEMMA3, rope_theta=None, rope_local_base_freq=None, sliding_window_pattern=None)
     newer["layer_types"] = ["sliding_attention", "full_attention", "sliding_attention"]
     newer["rope_parameters"] = {
@@ -124,6 +125,14 @@ def test_a_llama_config_no_architecture_has_is_refused_on_export():
     cfg = LlamaConfig(qk_norm=True, qkv_bias=True)
     with pytest.raises(HFConfigError, match="no transformers architecture has qk_norm and qkv_bias together"):
         hf_config.write("llama", cfg, "float32")
+
+
+def test_a_gemma3_with_an_attention_soft_cap_is_refused_on_export():
+    # transformers' Gemma 3 would load it and silently compute uncapped scores: different logits
+    cfg = GemmaConfig(attn_softcap=20.0)
+    with pytest.raises(HFConfigError, match="Gemma 3, whose attention has no soft-cap in transformers"):
+        hf_config.write("gemma", cfg, "float32")
+    assert hf_config.write("gemma", GemmaConfig(), "float32")["attn_logit_softcapping"] is None
 
 
 def test_read_config_overrides_fields_and_refuses_unknown_ones(tmp_path):

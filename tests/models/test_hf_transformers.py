@@ -98,7 +98,7 @@ def gemma3_config():
         sliding_window=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         query_pre_attn_scalar=12,
-        attn_logit_softcapping=20.0,
+        attn_logit_softcapping=None,  # as released: transformers' Gemma 3 ignores the key
         final_logit_softcapping=15.0,
         initializer_range=0.1,  # weights large enough that every part moves the logits
         tie_word_embeddings=True,

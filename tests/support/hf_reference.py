@@ -9,7 +9,8 @@ grouped kv heads, 1/sqrt(head_dim) scaling, causal and optionally a sliding wind
 query i when i - j < window). Qwen 2 adds q/k/v biases, Qwen 3 an RMSNorm of each q and k head before
 RoPE. Gemma: the embedding times sqrt(hidden_size), RMSNorms multiplying by (1 + weight), a norm
 after attention and after the MLP as well as before each, GeGLU (tanh gelu), scaling
-query_pre_attn_scalar^-0.5, optional tanh soft-caps of the scores and logits, sliding-window layers
+query_pre_attn_scalar^-0.5, an optional tanh soft-cap of the logits (and of the scores in Gemma 2
+only: Gemma 3's attention ignores attn_logit_softcapping, as transformers' does), sliding-window layers
 with their own RoPE base (Gemma 3: every `sliding_window_pattern`-th layer global; Gemma 2: odd
 layers global), q/k norms in Gemma 3, a tied head.
 """
@@ -161,6 +162,7 @@ def gemma_logits(cfg: dict, w: dict, tokens: np.ndarray) -> np.ndarray:
     heads, kv, hd = _heads(cfg)
     eps = cfg.get("rms_norm_eps", 1e-6)
     qk_norm = cfg["architectures"][0] == "Gemma3ForCausalLM"
+    score_cap = None if qk_norm else cfg.get("attn_logit_softcapping")  # Gemma 2 only
     thetas = _gemma_thetas(cfg)
     inv = {kind: inverse_frequencies(hd, theta) for kind, theta in thetas.items()}
     types = gemma_layer_types(cfg)
@@ -186,7 +188,7 @@ def gemma_logits(cfg: dict, w: dict, tokens: np.ndarray) -> np.ndarray:
             kind = types[i]
             window = cfg.get("sliding_window") if kind == "sliding_attention" else None
             q, k = rope(q, pos, inv[kind]), rope(k, pos, inv[kind])
-            att = attention(q, k, v, scale, window, cfg.get("attn_logit_softcapping"))
+            att = attention(q, k, v, scale, window, score_cap)
             x = x + norm(_linear(w, f"{p}.self_attn.o_proj", att.reshape(t, heads * hd)), "post_attention_layernorm")
             n = norm(x, "pre_feedforward_layernorm")
             mlp = gelu_tanh(_linear(w, f"{p}.mlp.gate_proj", n)) * _linear(w, f"{p}.mlp.up_proj", n)
