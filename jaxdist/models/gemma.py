@@ -49,6 +49,8 @@ class GemmaConfig:
     d_ff: int = 128
     rope_theta_local: float = 10000.0  # the rotary base of sliding-window layers
     rope_theta_global: float = 1000000.0  # and of global layers
+    # global layers' positions divided by this (linear RoPE scaling; Gemma 3 4B and larger: 8.0)
+    rope_scale_global: float = 1.0
     sliding_window: int | None = 512  # local layers: each token sees itself and the window - 1 before it
     global_every: int = 6  # layer i is global when (i + 1) % global_every == 0 (Gemma 3: 5 local, 1 global)
     query_pre_attn_scalar: float = 256.0  # attention scale: query_pre_attn_scalar ** -0.5
@@ -65,6 +67,8 @@ class GemmaConfig:
         check_config(self)
         if not isinstance(self.global_every, int) or self.global_every < 1:
             raise ValueError(f"GemmaConfig.global_every must be a positive int, got {self.global_every!r}")
+        if not (isinstance(self.rope_scale_global, int | float) and self.rope_scale_global > 0):
+            raise ValueError(f"GemmaConfig.rope_scale_global must be a number > 0, got {self.rope_scale_global!r}")
         for name in ("attn_softcap", "final_softcap"):
             cap = getattr(self, name)
             if cap is not None and not cap > 0:
@@ -129,6 +133,20 @@ FLAVORS = {
         global_every=6,
         query_pre_attn_scalar=256.0,
     ),
+    # Gemma 3 4B's language model (its vision tower not counted)
+    "gemma3-4b": GemmaConfig(
+        vocab_size=262208,
+        d_model=2560,
+        n_layers=34,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=256,
+        d_ff=10240,
+        sliding_window=1024,
+        global_every=6,
+        rope_scale_global=8.0,
+        query_pre_attn_scalar=256.0,
+    ),
 }
 
 
@@ -147,6 +165,8 @@ class GemmaBlock(nnx.Module):
 
         is_global = cfg.is_global(layer)
         theta = cfg.rope_theta_global if is_global else cfg.rope_theta_local
+        scale = cfg.rope_scale_global if is_global else 1.0
+        scaling = {"rope_type": "linear", "factor": scale} if scale != 1.0 else None
         self.attn_norm, self.post_attn_norm = norm(), norm()
         self.attn = Attention(
             d,
@@ -156,7 +176,7 @@ class GemmaBlock(nnx.Module):
             qkv_bias=False,
             qk_norm=head_norm,
             scale=cfg.query_pre_attn_scalar**-0.5,
-            inv_freq=rope_frequencies(cfg.head_dim, theta),
+            inv_freq=rope_frequencies(cfg.head_dim, theta, scaling),
             window=None if is_global else cfg.sliding_window,
             softcap=cfg.attn_softcap,
             implementation=cfg.attention,

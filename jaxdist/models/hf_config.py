@@ -140,21 +140,33 @@ def _llama(hf: dict, arch: str) -> dict[str, Any]:
     return out
 
 
-def _gemma_rope(hf: dict, arch: str) -> tuple[float, float]:
-    """(local theta, global theta): Gemma 3 has one per layer kind, Gemma 2 one for both."""
+def _linear_factor(scaling: dict | None, arch: str, where: str) -> float:
+    """The factor of a linear RoPE scaling (1.0 for none); any other kind is refused."""
+    kind = None if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default"):
+        return 1.0
+    if kind != "linear" or not isinstance(scaling.get("factor"), int | float):
+        raise HFConfigError(f"{arch} with {where}={scaling!r} is not supported (default or linear RoPE)")
+    return float(scaling["factor"])
+
+
+def _gemma_rope(hf: dict, arch: str) -> tuple[float, float, float]:
+    """(local theta, global theta, global linear scale): Gemma 3 has a base per layer kind and scales the
+    global layers' positions linearly from 4B up; Gemma 2 has one base for both."""
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
         full, local = params["full_attention"], params.get("sliding_attention") or {}
-        for kind, p in (("full_attention", full), ("sliding_attention", local)):
-            if p.get("rope_type", "default") != "default":
-                raise HFConfigError(f"{arch} with rope_parameters[{kind!r}]={p!r} is not supported (default RoPE)")
-        return float(local.get("rope_theta", 10000.0)), float(full.get("rope_theta", 1e6))
+        if _linear_factor(local, arch, "rope_parameters['sliding_attention']") != 1.0:
+            raise HFConfigError(f"{arch} with rope_parameters['sliding_attention']={local!r} is not supported")
+        scale = _linear_factor(full, arch, "rope_parameters['full_attention']")
+        return float(local.get("rope_theta", 10000.0)), float(full.get("rope_theta", 1e6)), scale
     theta, scaling = _rope(hf)
-    if scaling is not None:
-        raise HFConfigError(f"{arch} with rope_scaling={scaling!r} is not supported (unscaled RoPE)")
+    scale = _linear_factor(scaling, arch, "rope_scaling")
     if arch == "Gemma2ForCausalLM":
-        return theta, theta
-    return float(_get(hf, "rope_local_base_freq", 10000.0)), theta
+        if scale != 1.0:
+            raise HFConfigError(f"{arch} with rope_scaling={scaling!r} is not supported (unscaled RoPE)")
+        return theta, theta, 1.0
+    return float(_get(hf, "rope_local_base_freq", 10000.0)), theta, scale
 
 
 def _global_every(hf: dict, arch: str) -> int:
@@ -185,10 +197,11 @@ def _gemma(hf: dict, arch: str) -> dict[str, Any]:
     _require(hf, arch, "use_bidirectional_attention", (False, None), "causal attention")
     if hf.get("tie_word_embeddings") is False:
         raise HFConfigError(f"{arch} with tie_word_embeddings=false is not supported (Gemma ties its head)")
-    local, full = _gemma_rope(hf, arch)
+    local, full, scale = _gemma_rope(hf, arch)
     out.update(
         rope_theta_local=local,
         rope_theta_global=full,
+        rope_scale_global=scale,
         sliding_window=_get(hf, "sliding_window", 4096),
         global_every=_global_every(hf, arch),
         query_pre_attn_scalar=float(_get(hf, "query_pre_attn_scalar", out["head_dim"])),
@@ -268,6 +281,12 @@ def write(family: str, cfg, torch_dtype: str) -> dict[str, Any]:
             **common,
             "hidden_activation": "gelu_pytorch_tanh",
             "rope_theta": float(cfg.rope_theta_global),
+            # the global layers' (transformers reads legacy rope_scaling as the full-attention layers')
+            "rope_scaling": (
+                {"rope_type": "linear", "factor": float(cfg.rope_scale_global)}
+                if cfg.rope_scale_global != 1.0
+                else None
+            ),
             # no window: every layer global (a window the context's length, for transformers' int field)
             "sliding_window": cfg.sliding_window or cfg.seq_len,
             "query_pre_attn_scalar": _number(cfg.query_pre_attn_scalar),

@@ -45,14 +45,22 @@ def rope_frequencies(head_dim: int, theta: float, scaling: Mapping | None = None
     """The rotary inverse frequencies theta^(-2i/head_dim), i < head_dim / 2, as float32 values (as
     Hugging Face computes them); with `scaling` (Llama 3's "llama3" rope_scaling: factor,
     low_freq_factor, high_freq_factor, original_max_position_embeddings) long wavelengths are
-    divided by `factor` and the band between the two cut-offs is interpolated."""
+    divided by `factor` and the band between the two cut-offs is interpolated; "linear" scaling
+    (Gemma 3 4B and larger) divides every frequency by `factor` (positions interpolated)."""
     if head_dim % 2:
         raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
     inv = (1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim)).astype(np.float32)
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type", "llama3"))
+    if kind == "linear":
+        factor = float(scaling["factor"])
+        if not factor > 0:
+            raise ValueError(f"linear rope_scaling needs a factor > 0, got {scaling['factor']!r}")
+        return tuple(float(f) for f in (inv / np.float32(factor)).astype(np.float32))
     if kind not in (None, "default"):
         if kind != "llama3":
-            raise ValueError(f"rope_scaling of type {kind!r} is not supported; give Llama 3's 'llama3' or None")
+            raise ValueError(
+                f"rope_scaling of type {kind!r} is not supported; give Llama 3's 'llama3', 'linear' or None"
+            )
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
         old = float(scaling["original_max_position_embeddings"])

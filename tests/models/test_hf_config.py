@@ -78,7 +78,7 @@ def test_gemma3_layer_types_and_per_kind_rope_read_as_the_pattern_keys():
         ),
         (changed(hf_configs.QWEN3, use_sliding_window=True), "with use_sliding_window=True is not supported"),
         (
-            changed(hf_configs.GEMMA3, rope_scaling={"rope_type": "linear", "factor": 8.0}),
+            changed(hf_configs.GEMMA3, rope_scaling={"rope_type": "yarn", "factor": 8.0}),
             "Gemma3ForCausalLM with rope_",
         ),
         (changed(hf_configs.GEMMA3, use_bidirectional_attention=True), "use_bidirectional_attention=True"),
@@ -140,3 +140,32 @@ def test_read_config_overrides_fields_and_refuses_unknown_ones(tmp_path):
     assert hf.read_config(tmp_path, seq_len=32).config.seq_len == 32
     with pytest.raises(HFConfigError, match="LlamaConfig has no field d_modle"):
         hf.read_config(tmp_path, d_modle=3)
+
+
+def test_gemma3_linear_rope_scaling_of_the_global_layers_reads_in_both_spellings_and_writes_back():
+    legacy = changed(hf_configs.GEMMA3, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    family, kw = hf_config.read(legacy)
+    assert kw["rope_scale_global"] == 8.0 and kw["rope_theta_local"] == 10000.0
+    newer = changed(hf_configs.GEMMA3, rope_theta=None, rope_local_base_freq=None, sliding_window_pattern=None)
+    newer["layer_types"] = ["sliding_attention", "full_attention", "sliding_attention"]
+    newer["rope_parameters"] = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    assert hf_config.read(newer) == (family, kw)
+    written = hf_config.write("gemma", GemmaConfig(**kw), "float32")
+    assert written["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
+    assert hf_config.read(written)[1]["rope_scale_global"] == 8.0
+    assert hf_config.read(hf_configs.GEMMA3)[1]["rope_scale_global"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [{"rope_type": "yarn", "factor": 8.0}, {"rope_type": "linear"}],
+    ids=["yarn", "linear-without-factor"],
+)
+def test_gemma3_rope_scaling_other_than_linear_is_refused_by_name(scaling):
+    with pytest.raises(
+        HFConfigError, match=r"Gemma3ForCausalLM with rope_scaling=.* is not supported \(default or linear"
+    ):
+        hf_config.read(changed(hf_configs.GEMMA3, rope_scaling=scaling))

@@ -42,11 +42,17 @@ def rope(theta: float, scaling: dict | None = None) -> dict:
     return {"rope_theta": theta, "rope_scaling": scaling}
 
 
-def gemma_rope(full: float, local: float) -> dict:
+def gemma_rope(full: float, local: float, linear: float | None = None) -> dict:
+    """Gemma 3's per-kind RoPE; `linear`: the global layers' linear scaling factor (Gemma 3 4B and up)."""
+    scaling = {"rope_type": "linear", "factor": linear} if linear else None
     if NEW_ROPE:
-        kinds = {"full_attention": full, "sliding_attention": local}
-        return {"rope_parameters": {k: {"rope_type": "default", "rope_theta": t} for k, t in kinds.items()}}
-    return {"rope_theta": full, "rope_local_base_freq": local}
+        kinds = {"full_attention": (full, scaling), "sliding_attention": (local, None)}
+        return {
+            "rope_parameters": {
+                k: {"rope_type": "default", **(sc or {}), "rope_theta": t} for k, (t, sc) in kinds.items()
+            }
+        }
+    return {"rope_theta": full, "rope_local_base_freq": local, "rope_scaling": scaling}
 
 
 def llama_config():
@@ -83,7 +89,7 @@ def qwen3_config():
     )
 
 
-def gemma3_config():
+def gemma3_config(linear: float | None = None):
     return transformers.Gemma3TextConfig(
         vocab_size=96,
         hidden_size=32,
@@ -94,7 +100,7 @@ def gemma3_config():
         head_dim=16,
         max_position_embeddings=64,
         rms_norm_eps=1e-6,
-        **gemma_rope(1000000.0, 10000.0),
+        **gemma_rope(1000000.0, 10000.0, linear),
         sliding_window=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         query_pre_attn_scalar=12,
@@ -105,7 +111,18 @@ def gemma3_config():
     )
 
 
-CONFIGS = {"llama": llama_config, "qwen3": qwen3_config, "gemma3": gemma3_config}
+def gemma3_4b_style_config():
+    """Gemma 3 4B's RoPE: the global layers' positions scaled linearly by 8 (a small base, so it shows)."""
+    config = gemma3_config(linear=8.0)
+    return config
+
+
+CONFIGS = {
+    "llama": llama_config,
+    "qwen3": qwen3_config,
+    "gemma3": gemma3_config,
+    "gemma3-linear-rope": gemma3_4b_style_config,
+}
 
 
 def hf_model(config):
@@ -175,3 +192,25 @@ def test_weights_exported_by_jaxdist_give_its_logits_in_transformers(tmp_path, n
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     ids = tokens(loaded.config.vocab_size, seed=2)
     assert_close(jaxdist_logits(ours, ids.astype(np.int32)), hf_logits(theirs.float().eval(), ids))
+
+
+def test_gemma3_4b_flavor_has_the_parameters_transformers_builds_for_its_config():
+    from jaxdist.models import gemma
+
+    cfg = gemma.FLAVORS["gemma3-4b"]
+    config = transformers.Gemma3TextConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.d_ff,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        sliding_window=cfg.sliding_window,
+        query_pre_attn_scalar=int(cfg.query_pre_attn_scalar),
+        **gemma_rope(cfg.rope_theta_global, cfg.rope_theta_local, cfg.rope_scale_global),
+    )
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    # the tied head is one tensor
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()

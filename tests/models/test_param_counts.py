@@ -5,7 +5,9 @@ Counts: Llama 3.2 1B, Llama 3.1 8B and Qwen3-0.6B (tied) as published; the other
 models' Hugging Face config.json values (vocab_size, hidden_size, num_hidden_layers,
 num_attention_heads, num_key_value_heads, head_dim, intermediate_size, tie_word_embeddings,
 attention_bias / q-k norms), matching their published totals (Mistral 7B v0.1: 7,241,732,096;
-Qwen2.5-0.5B: 494,032,768; Gemma 3 1B: 999,885,952; Qwen3-8B: 8,190,735,360).
+Qwen2.5-0.5B: 494,032,768; Gemma 3 1B: 999,885,952; Qwen3-8B: 8,190,735,360). Gemma 3 4B's language
+model (3,880,263,168; the published 4.3B counts its vision tower too) is also the count transformers builds
+for that config (tests/models/test_hf_transformers.py).
 """
 
 import jax
@@ -23,6 +25,7 @@ PUBLISHED = {
     ("llama", "qwen2.5-0.5b"): 494_032_768,
     ("llama", "mistral-7b"): 7_241_732_096,
     ("gemma", "gemma3-1b"): 999_885_952,
+    ("gemma", "gemma3-4b"): 3_880_263_168,
 }
 
 

@@ -129,4 +129,15 @@ GEMMA2 = {
     "torch_dtype": "float32",
 }
 
-ALL = {"llama": LLAMA, "qwen3": QWEN3, "qwen2": QWEN2, "mistral": MISTRAL, "gemma3": GEMMA3, "gemma2": GEMMA2}
+# Gemma 3 4B and larger: the global layers' RoPE positions scaled linearly
+GEMMA3_LINEAR_ROPE = {**GEMMA3, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+
+ALL = {
+    "llama": LLAMA,
+    "qwen3": QWEN3,
+    "qwen2": QWEN2,
+    "mistral": MISTRAL,
+    "gemma3": GEMMA3,
+    "gemma3-linear-rope": GEMMA3_LINEAR_ROPE,
+    "gemma2": GEMMA2,
+}

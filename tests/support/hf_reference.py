@@ -11,7 +11,8 @@ RoPE. Gemma: the embedding times sqrt(hidden_size), RMSNorms multiplying by (1 +
 after attention and after the MLP as well as before each, GeGLU (tanh gelu), scaling
 query_pre_attn_scalar^-0.5, an optional tanh soft-cap of the logits (and of the scores in Gemma 2
 only: Gemma 3's attention ignores attn_logit_softcapping, as transformers' does), sliding-window layers
-with their own RoPE base (Gemma 3: every `sliding_window_pattern`-th layer global; Gemma 2: odd
+with their own RoPE base (Gemma 3 4B and up: the global layers' frequencies divided by a linear
+scaling factor; Gemma 3: every `sliding_window_pattern`-th layer global; Gemma 2: odd
 layers global), q/k norms in Gemma 3, a tied head.
 """
 
@@ -157,6 +158,14 @@ def _gemma_thetas(cfg: dict) -> dict[str, float]:
     return {"full_attention": theta, "sliding_attention": cfg.get("rope_local_base_freq", 10000.0)}
 
 
+def _gemma_global_linear_factor(cfg: dict) -> float:
+    """Gemma 3 4B and up divide the global layers' rotary frequencies by a linear scaling factor."""
+    params = cfg.get("rope_parameters")
+    scaling = params.get("full_attention") if isinstance(params, dict) and "full_attention" in params else None
+    scaling = scaling or cfg.get("rope_scaling") or {}
+    return float(scaling["factor"]) if scaling.get("rope_type") == "linear" else 1.0
+
+
 def gemma_logits(cfg: dict, w: dict, tokens: np.ndarray) -> np.ndarray:
     """[batch, T, vocab] logits of a Gemma3ForCausalLM / Gemma2ForCausalLM checkpoint."""
     heads, kv, hd = _heads(cfg)
@@ -165,6 +174,7 @@ def gemma_logits(cfg: dict, w: dict, tokens: np.ndarray) -> np.ndarray:
     score_cap = None if qk_norm else cfg.get("attn_logit_softcapping")  # Gemma 2 only
     thetas = _gemma_thetas(cfg)
     inv = {kind: inverse_frequencies(hd, theta) for kind, theta in thetas.items()}
+    inv["full_attention"] = inv["full_attention"] / _gemma_global_linear_factor(cfg)
     types = gemma_layer_types(cfg)
     scale = cfg.get("query_pre_attn_scalar", hd) ** -0.5
     embed = w["model.embed_tokens.weight"]
