@@ -33,6 +33,8 @@ from jaxdist.models.hf_layout import IGNORED_SUFFIXES, Tensor, tensors, tied
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+# config.json keys jaxdist does not model, kept from the checkpoint a fine-tuned model came from
+CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' own default shard size
 # safetensors dtype names of the floating-point tensors a checkpoint may store (cast to the model's dtype)
 FLOAT_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16}
@@ -292,11 +294,14 @@ def save(
     dtype=None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     extra_files: dict[str, Path] | None = None,
+    source_config: dict | None = None,
 ) -> Path:
     """Write `params` (the model's pure-dict parameters, sharded arrays; a run's `canonical(state).params`)
     as a Hugging Face directory `out`: config.json, the safetensors files (in `dtype`, default the
     parameters'), the index when there is more than one, and `extra_files` (name -> file to copy, e.g.
-    the tokenizer). Written to a temporary sibling and renamed, so a failed write leaves no `out`."""
+    the tokenizer). `source_config`, the config.json a fine-tuned model came from, gives the keys jaxdist
+    does not model (`CARRIED_KEYS`: its token ids and context length) when its architecture is the one
+    written. Written to a temporary sibling and renamed, so a failed write leaves no `out`."""
     out = Path(out).absolute()
     if out.exists():
         raise HFCheckpointError(f"{out} already exists; pick a new output path or remove it")
@@ -308,7 +313,7 @@ def save(
     dtype = np.dtype(dtype or next(iter(flat.values())).dtype)
     if dtype.name not in SAFETENSORS_NAMES:
         raise HFCheckpointError(f"cannot store tensors as {dtype.name}; choose float32, bfloat16 or float16")
-    config = hf_config.write(family, cfg, hf_config.torch_dtype_name(dtype))
+    config = carry_keys(hf_config.write(family, cfg, hf_config.torch_dtype_name(dtype)), source_config)
     files = _shard_plan(layout, dtype.itemsize, shard_bytes)
     names = (
         [SINGLE_FILE]
@@ -337,6 +342,21 @@ def save(
         if writer:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return out
+
+
+def carry_keys(config: dict, source: dict | None) -> dict:
+    """`config` with the `CARRIED_KEYS` of `source` (a config.json of the same architecture): the special
+    token ids generation needs, and the longer of the two context lengths (a model fine-tuned on shorter
+    sequences keeps the length its RoPE was made for)."""
+    if not source or source.get("architectures") != config["architectures"]:
+        return config
+    out = dict(config)
+    for key in CARRIED_KEYS:
+        if source.get(key) is not None:
+            out[key] = source[key]
+    if isinstance(source.get("max_position_embeddings"), int):
+        out["max_position_embeddings"] = max(source["max_position_embeddings"], config["max_position_embeddings"])
     return out
 
 

@@ -168,6 +168,7 @@ def export_hf(
             dtype=dtype,
             shard_bytes=shard_bytes or hf.DEFAULT_SHARD_BYTES,
             extra_files=_tokenizer_files(meta),
+            source_config=_source_config(meta),
         )
     except OSError as e:
         hint = "free some space" if disk_full(e) else "fix the cause"
@@ -188,6 +189,20 @@ def _spread_over_devices(shape: tuple[int, ...]) -> jax.sharding.Sharding:
             spec[axis] = "export"
             break
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def _source_config(meta: dict) -> dict | None:
+    """The config.json of the run.init_from=hf:DIR the run fine-tuned, if that directory is still there."""
+    from jaxdist.models import hf_config
+
+    init_from = ((meta.get("config") or {}).get("run") or {}).get("init_from", "")
+    path = Path(init_from[3:]) / hf_config.CONFIG_FILE if init_from.startswith("hf:") else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # the export does not need it: the run's own config describes the model
 
 
 def _tokenizer_files(meta: dict) -> dict[str, Path]:

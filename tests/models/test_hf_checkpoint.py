@@ -286,3 +286,16 @@ def test_saving_onto_an_existing_directory_is_refused(tmp_path, checkpoints):
     params = hf.load_params(path, model, target(model, one_device))
     with pytest.raises(hf.HFCheckpointError, match="already exists; pick a new output path"):
         hf.save(path, params, model.family, model.config)
+
+
+def test_keys_jaxdist_does_not_model_come_from_the_source_config_of_the_same_architecture():
+    from jaxdist.models import LlamaConfig, hf_config
+
+    written = hf_config.write("llama", LlamaConfig(**hf_config.read(hf_configs.LLAMA)[1]), "float32")
+    source = {**hf_configs.LLAMA, "eos_token_id": 7, "pad_token_id": 0, "max_position_embeddings": 131072}
+    carried = hf.carry_keys(written, source)
+    assert (carried["eos_token_id"], carried["pad_token_id"], carried["max_position_embeddings"]) == (7, 0, 131072)
+    shorter = hf.carry_keys(written, {**source, "max_position_embeddings": 8})  # never below the trained length
+    assert shorter["max_position_embeddings"] == written["max_position_embeddings"]
+    assert hf.carry_keys(written, {**source, "architectures": ["Qwen3ForCausalLM"]}) == written
+    assert hf.carry_keys(written, None) == written
