@@ -300,8 +300,8 @@ def save(
     as a Hugging Face directory `out`: config.json, the safetensors files (in `dtype`, default the
     parameters'), the index when there is more than one, and `extra_files` (name -> file to copy, e.g.
     the tokenizer). `source_config`, the config.json a fine-tuned model came from, gives the keys jaxdist
-    does not model (`CARRIED_KEYS`: its token ids and context length) when its architecture is the one
-    written. Written to a temporary sibling and renamed, so a failed write leaves no `out`."""
+    does not model (`CARRIED_KEYS`: its token ids and context length) when it is of the same family.
+    Written to a temporary sibling and renamed, so a failed write leaves no `out`."""
     out = Path(out).absolute()
     if out.exists():
         raise HFCheckpointError(f"{out} already exists; pick a new output path or remove it")
@@ -345,11 +345,21 @@ def save(
     return out
 
 
+def _family_of_architectures(config: dict) -> str | None:
+    names = config.get("architectures") or []
+    if len(names) != 1:
+        return None
+    if names[0] in hf_config.LLAMA_ARCHITECTURES:
+        return "llama"
+    return "gemma" if names[0] in hf_config.GEMMA_ARCHITECTURES else None
+
+
 def carry_keys(config: dict, source: dict | None) -> dict:
-    """`config` with the `CARRIED_KEYS` of `source` (a config.json of the same architecture): the special
-    token ids generation needs, and the longer of the two context lengths (a model fine-tuned on shorter
-    sequences keeps the length its RoPE was made for)."""
-    if not source or source.get("architectures") != config["architectures"]:
+    """`config` with the `CARRIED_KEYS` of `source` (a config.json of the same family, e.g. a Mistral without
+    a window written back as a Llama): the special token ids generation needs, and the longer of the two
+    context lengths (a model fine-tuned on shorter sequences keeps the length its RoPE was made for)."""
+    family = _family_of_architectures(config)
+    if not source or family is None or _family_of_architectures(source) != family:
         return config
     out = dict(config)
     for key in CARRIED_KEYS:

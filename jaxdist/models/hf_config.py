@@ -50,6 +50,12 @@ def load_json(directory: str | Path) -> dict:
 def architecture(hf: dict) -> str:
     """The checkpoint's one architecture (its `architectures` list), refused unless jaxdist reads it."""
     names = hf.get("architectures") or []
+    if names == ["Gemma3ForConditionalGeneration"]:  # the released Gemma 3 4B, 12B, 27B: text and images
+        raise HFConfigError(
+            "Gemma3ForConditionalGeneration (Gemma 3 with its vision tower) is not read; save its language model "
+            "alone as a Gemma3ForCausalLM directory (transformers: the model's language_model with its text_config) "
+            "and point hf: at that"
+        )
     if len(names) != 1 or names[0] not in LLAMA_ARCHITECTURES + GEMMA_ARCHITECTURES:
         supported = ", ".join(LLAMA_ARCHITECTURES + GEMMA_ARCHITECTURES)
         raise HFConfigError(f"unsupported architecture {names or hf.get('model_type')!r}; jaxdist reads {supported}")
@@ -142,25 +148,42 @@ def _llama(hf: dict, arch: str) -> dict[str, Any]:
 
 def _linear_factor(scaling: dict | None, arch: str, where: str) -> float:
     """The factor of a linear RoPE scaling (1.0 for none); any other kind is refused."""
-    kind = None if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
+    kind = None if not scaling else scaling.get("rope_type", "default")
     if kind in (None, "default"):
         return 1.0
-    if kind != "linear" or not isinstance(scaling.get("factor"), int | float):
-        raise HFConfigError(f"{arch} with {where}={scaling!r} is not supported (default or linear RoPE)")
-    return float(scaling["factor"])
+    factor = scaling.get("factor")
+    if kind != "linear" or not isinstance(factor, int | float) or isinstance(factor, bool) or not factor > 0:
+        raise HFConfigError(f"{arch} with {where}={scaling!r} is not supported (default or linear RoPE, factor > 0)")
+    return float(factor)
 
 
 def _gemma_rope(hf: dict, arch: str) -> tuple[float, float, float]:
     """(local theta, global theta, global linear scale): Gemma 3 has a base per layer kind and scales the
-    global layers' positions linearly from 4B up; Gemma 2 has one base for both."""
+    global layers' positions linearly from 4B up; Gemma 2 has one base for both. Read as transformers'
+    Gemma 3 config reads them: a legacy `rope_scaling` is merged into the full-attention layers'
+    parameters (over `rope_parameters` when both are present), its kind is its `rope_type` only."""
+    legacy = hf.get("rope_scaling") or None
+    if legacy is not None and "type" in legacy and "rope_type" not in legacy:
+        # transformers 5 ignores "type" here (the scaling is dropped), earlier versions applied it
+        raise HFConfigError(
+            f"{arch} with rope_scaling={legacy!r} is read differently by transformers versions (the old 'type' key); "
+            "write its kind as 'rope_type' in config.json"
+        )
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
-        full, local = params["full_attention"], params.get("sliding_attention") or {}
+        full, local = dict(params["full_attention"] or {}), params.get("sliding_attention") or {}
+        full.update(legacy or {})
         if _linear_factor(local, arch, "rope_parameters['sliding_attention']") != 1.0:
             raise HFConfigError(f"{arch} with rope_parameters['sliding_attention']={local!r} is not supported")
         scale = _linear_factor(full, arch, "rope_parameters['full_attention']")
         return float(local.get("rope_theta", 10000.0)), float(full.get("rope_theta", 1e6)), scale
-    theta, scaling = _rope(hf)
+    if isinstance(params, dict) and "rope_theta" in params:  # one set for both kinds (Gemma 2's spelling)
+        theta, scaling = float(params["rope_theta"]), {k: v for k, v in params.items() if k != "rope_theta"}
+        scaling.update(legacy or {})
+    else:
+        # transformers' Gemma 3 default base is 1e6 (Gemma 2's 1e4)
+        theta = float(_get(hf, "rope_theta", 10000.0 if arch == "Gemma2ForCausalLM" else 1e6))
+        scaling = legacy
     scale = _linear_factor(scaling, arch, "rope_scaling")
     if arch == "Gemma2ForCausalLM":
         if scale != 1.0:

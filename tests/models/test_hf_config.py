@@ -169,3 +169,26 @@ def test_gemma3_rope_scaling_other_than_linear_is_refused_by_name(scaling):
         HFConfigError, match=r"Gemma3ForCausalLM with rope_scaling=.* is not supported \(default or linear"
     ):
         hf_config.read(changed(hf_configs.GEMMA3, rope_scaling=scaling))
+
+
+def test_gemma3_rope_keys_read_as_transformers_merges_them():
+    linear = {"rope_type": "linear", "factor": 8}
+    both = changed(hf_configs.GEMMA3, rope_theta=None, rope_local_base_freq=None, rope_scaling=linear)
+    both["rope_parameters"] = {
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    # the legacy key is merged into the full-attention layers' parameters
+    assert hf_config.read(both)[1]["rope_scale_global"] == 8.0
+    # transformers' Gemma 3 default base of the global layers is 1e6
+    assert hf_config.read(changed(hf_configs.GEMMA3, rope_theta=None))[1]["rope_theta_global"] == 1e6
+    assert hf_config.read(changed(hf_configs.GEMMA3, rope_scaling=None))[1]["rope_scale_global"] == 1.0
+    with pytest.raises(HFConfigError, match=r"the old 'type' key\); write its kind as 'rope_type'"):
+        hf_config.read(changed(hf_configs.GEMMA3, rope_scaling={"type": "linear", "factor": 8.0}))
+    with pytest.raises(HFConfigError, match="default or linear RoPE, factor > 0"):
+        hf_config.read(changed(hf_configs.GEMMA3, rope_scaling={"rope_type": "linear", "factor": 0}))
+
+
+def test_the_multimodal_gemma3_is_refused_naming_its_language_model_as_the_way():
+    with pytest.raises(HFConfigError, match="Gemma3ForConditionalGeneration .* save its language model alone"):
+        hf_config.read(changed(hf_configs.GEMMA3, architectures=["Gemma3ForConditionalGeneration"]))
