@@ -6,16 +6,18 @@ runs stages r, r + pp, ... (its chunks), the embedding runs with stage 0 and
 the head and loss with the last stage. Each data rank's batch splits into
 micro-batches. The step runs the schedule's ticks in order, inside the
 engine's `shard_map`: at a tick every rank runs its table entry (a `lax.switch`
-on its pp rank), then the tick's activations and gradients move between
+on its pp rank; the ops: `stage_ops`), then the tick's activations and gradients move between
 neighbouring stages in one `comm.sendrecv` (with the nccl backend: one NCCL
 group, also for a warm-up tick's lone send and a cool-down tick's lone
 receive), on one token chain that orders the ticks.
 
-Memory: a stage keeps only the inputs it received, in slots the table assigns
-(freed by the backward that reads them), and its backward recomputes the
-stage's forward from that input; so the live activations of 1F1B are bounded
-by pp, not by the micro-batch count. The last stage's forward runs inside its
-backward (one recompute fewer).
+Memory: what a stage keeps between its ops lives in slots the table assigns,
+each freed by the last op that reads it (`stage_step.tick_plan`): the inputs
+it received and, by default, its forward's residuals (so the backward runs no
+second forward; `remat=True` keeps only the input and recomputes), and under
+ZB-H1 what W needs from B. So the live activations of 1F1B and ZB-H1 are
+bounded by pp, not by the micro-batch count. The last stage's forward runs
+inside its backward.
 
 Parameters are the model's tree, stored as the engine stores them (over the
 data axes and split over tp), and every block parameter is also split over pp:
