@@ -22,7 +22,7 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from support.models import MLP_UNITS, ResMLP, gpt_batches, mlp_batches, mlp_loss
+from support.models import MLP_PLAN, MLP_UNITS, ResMLP, gpt_batches, mlp_batches, mlp_loss
 from support.optimizers import adamw, path_optimizer
 from support.reference import LOSS_RTOL, assert_params_close, train_single_device
 
@@ -104,6 +104,13 @@ MLP_CASES = {
         lambda: optax.sgd(0.1),
     ),
     "pp4xdp2-zbh1-m4-sgd": ((4, 2), ("pp", "dp"), 4, dict(microbatches=4, schedule="zb-h1"), lambda: optax.sgd(0.1)),
+    "pp2xdp2xtp2-interleaved-v2-m4-recompute-sgd": (
+        (2, 2, 2),
+        ("pp", "dp", "tp"),
+        4,
+        dict(microbatches=4, schedule="interleaved", virtual=2, remat=True, plan=MLP_PLAN),
+        lambda: optax.sgd(0.1),
+    ),
 }
 
 
