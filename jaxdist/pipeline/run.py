@@ -16,8 +16,8 @@ each freed by the last op that reads it (`stage_step.tick_plan`): the inputs
 it received and, by default, its forward's residuals (so the backward runs no
 second forward; `remat=True` keeps only the input and recomputes), and under
 ZB-H1 what W needs from B. So the live activations of 1F1B and ZB-H1 are
-bounded by pp, not by the micro-batch count. The last stage's forward runs
-inside its backward.
+bounded by pp, not by the micro-batch count. The last stage's F also runs the
+head, its loss and gradient, and keeps the output gradient its B starts from.
 
 Parameters are the model's tree, stored as the engine stores them (over the
 data axes and split over tp), and every block parameter is also split over pp:

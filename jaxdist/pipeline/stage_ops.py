@@ -8,7 +8,8 @@ except those computed from the weights alone (casts, the kernels themselves), wh
 from the chunk weights (`jaxdist.engine.residuals`) instead of keeping a copy of the weights per
 micro-batch; so the backward runs no second forward. Recomputed (`remat=True`) the forward stores
 nothing and the backward (and W) replay the stage's forward from the kept input. Either way the
-embedding's backward replays the embedding (a lookup), and the last stage's forward runs inside its B.
+embedding's backward replays the embedding (a lookup). The last stage's F also runs the head, its loss
+and gradient, and keeps the output gradient its B starts from.
 
 B of a split table runs only the equations of the stage's backward that its input gradient needs,
 passing the values W's equations read (the layers' output gradients) in a slot; W runs the rest
@@ -221,33 +222,36 @@ class StageOps:
             cw = {k: _index(self.chunks[k], c) for k in self.template}
             x = self.embed(self.embed_w, b) if position == FIRST else _index(st["acts"], row["act_slot"])
             if kind == "F":
-                return self.forward(st, row, cw, x, b)
+                return self.forward(st, row, position, cw, x, b)
             if kind == "B":
                 return self.backward(st, row, position, cw, x, b)
             return self.weight_gradient(st, row, cw, x, b), self.zeros_x
 
         return run
 
-    def forward(self, st, row, cw, x, b):
-        if not self.keep:
-            return st, self.blocks(cw, x, b)
-        y, _, kept = self.forward_vjps(cw, x, b)
-        return self.store_residuals(st, row["res_slot"], kept), y
+    def forward(self, st, row, position, cw, x, b):
+        if self.keep:
+            y, _, kept = self.forward_vjps(cw, x, b)
+            st = self.store_residuals(st, row["res_slot"], kept)
+        else:
+            y = self.blocks(cw, x, b)
+        if position != LAST:
+            return st, y
+        # the last stage's F ends in the head: the loss, the head's gradient and the output gradient its
+        # B starts from (kept in a gradient slot, as a later stage's would arrive), so F and B cost
+        # what the table's ticks assume
+        loss, head_vjp = jax.vjp(lambda hw, y: self.head(hw, y, b), self.head_w, y)
+        d_hw, dy = head_vjp(self.seed.astype(loss.dtype))
+        st = {**st, "grads": _put(st["grads"], dy, row["grad_slot"])}
+        return self.add(st, row["chunk"], (), d_hw, loss), self.zeros_x
 
     def backward(self, st, row, position, cw, x, b):
-        c, loss, d_ow = row["chunk"], None, {}
-        if position == LAST:  # the last stage's forward runs here: the head's gradient starts the chain
-            top, vjps, kept = self.forward_vjps(cw, x, b)
-            if self.keep and self.split:
-                st = self.store_residuals(st, row["res_slot"], kept)
-            loss, head_vjp = jax.vjp(lambda hw, y: self.head(hw, y, b), self.head_w, top)
-            d_ow, dy = head_vjp(self.seed.astype(loss.dtype))
+        c, d_ow = row["chunk"], {}
+        dy = _index(st["grads"], row["grad_slot"])
+        if self.split:
+            kept = self.stored(st, row["res_slot"]) if self.keep else self.forward_vjps(cw, x, b)[2]
         else:
-            dy = _index(st["grads"], row["grad_slot"])
-            if self.split:
-                kept = self.stored(st, row["res_slot"]) if self.keep else self.forward_vjps(cw, x, b)[2]
-            else:
-                vjps = self.stored_vjps(st, row["res_slot"], cw, b) if self.keep else self.forward_vjps(cw, x, b)[1]
+            vjps = self.stored_vjps(st, row["res_slot"], cw, b) if self.keep else self.forward_vjps(cw, x, b)[1]
         dws = ()
         if self.split:  # the input gradient's equations only; W's read what they need from the slot
             dx, boundary = self.backward_split.input_gradient(cw, kept, dy, b)
@@ -258,7 +262,7 @@ class StageOps:
             _, embed_vjp = jax.vjp(lambda ew: self.embed(ew, b), self.embed_w)
             (d_ow,) = embed_vjp(dx)
             dx = self.zeros_x
-        return self.add(st, c, dws, d_ow, loss), dx
+        return self.add(st, c, dws, d_ow), dx
 
     def weight_gradient(self, st, row, cw, x, b):
         kept = self.stored(st, row["res_slot"]) if self.keep else self.forward_vjps(cw, x, b)[2]

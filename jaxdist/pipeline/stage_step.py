@@ -4,8 +4,9 @@
 At a tick every rank runs its table entry (a `lax.switch` on its pp rank over the op kinds the table
 uses, `stage_ops`), then the tick's activations and gradients move between neighbouring stages in
 one `comm.sendrecv`, on one token chain that orders the ticks. What a stage keeps between its ops
-lives in slots the table assigns (`tick_plan`): the inputs it received, its forward's residuals
-(activations kept, the default) and, in a split table, its blocks' output gradients for W; each
+lives in slots the table assigns (`tick_plan`): the inputs it received (and the last stage's
+output gradient, from its F's head), its forward's residuals (activations kept, the default) and,
+in a split table, the values W reads from B; each
 slot is freed by the last op that reads it, so 1F1B's live activations are bounded by pp, not by
 the micro-batch count. A rank's stage gradients are averaged over the data axes in the tick of its
 last op.
@@ -61,16 +62,13 @@ class TickPlan:
 def _lifetimes(s: ps.Schedule, keep: bool, op: ps.Op) -> tuple[set, set]:
     """The slot kinds `op` frees (it reads them last) and those it fills."""
     last = op.stage == s.stages - 1
-    if op.kind == ps.FORWARD:
-        fills = {"res"} if keep and not last else set()
-        return ({"act"} if keep and not last and op.stage > 0 else set()), fills
+    if op.kind == ps.FORWARD:  # the last stage's F also fills a gradient slot: the head's output gradient
+        fills = ({"res"} if keep else set()) | ({"grad"} if last else set())
+        return ({"act"} if keep and op.stage > 0 else set()), fills
     if op.kind == ps.BACKWARD:
-        frees = {"grad"} if not last else set()
         if not s.split:  # the last op of the micro-batch's stage: whatever it held
-            return frees | {"act", "res"}, set()
-        if keep and last:
-            frees |= {"act"}
-        return frees, {"cot"} | ({"res"} if keep and last else set())
+            return {"grad", "act", "res"}, set()
+        return {"grad"}, {"cot"}
     return {"res", "cot"} | (set() if keep else {"act"}), set()
 
 
@@ -99,8 +97,9 @@ def tick_plan(s: ps.Schedule, keep: bool = True) -> TickPlan:
             if op is not None:
                 key = (op.microbatch, op.stage)
                 position = FIRST if op.stage == 0 else LAST if op.stage == last else MID
-                idle = op.kind == ps.FORWARD and position == LAST  # runs inside the stage's B
-                arrays["branch"][t, r] = IDLE if idle else branch_code(op.kind, position)
+                if position == LAST and op.kind != ps.FORWARD:  # the head ran in the F: B and W as a middle stage's
+                    position = MID
+                arrays["branch"][t, r] = branch_code(op.kind, position)
                 arrays["chunk"][t, r] = op.stage // s.pp
                 arrays["microbatch"][t, r] = op.microbatch
                 frees, fills = _lifetimes(s, keep, op)

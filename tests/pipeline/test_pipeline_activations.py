@@ -36,15 +36,15 @@ def test_kept_activations_run_plain_autodiffs_matmuls_and_no_second_forward(sche
     """The step's program holds each table entry once (a branch of the tick's switch). Plain autodiff
     of the ResMLP with n blocks: forward 2 per block, the embed 1, the head 1; backward 4 per block
     (input and weight gradients of 2 layers), the embed's weight gradient 1, the head 2: 6 n + 5.
-    Kept, the stages' branches together run exactly those; recomputed, the first stage's B replays
-    its forward as far as backward needs it: the embed and, of its k = 2 blocks, every layer but the
-    last block's second (whose output nothing reads): 2 k. Under ZB-H1 the first stage's W replays
-    it again, and the last stage's W its blocks (2 k - 1; its B runs the forward anyway)."""
+    Kept, the stages' branches together run exactly those; recomputed, each stage's B replays its
+    forward as far as backward needs it: of its k = 2 blocks every layer but the last block's second
+    (whose output nothing reads), 2 k - 1, and on the first stage the embed: 4 k - 1 in all. Under
+    ZB-H1 each stage's W replays it again."""
     layers, k = 4, 2
     _, kept, _ = _compile(schedule, 4, layers)
     _, recomputed, _ = _compile(schedule, 4, layers, remat=True)
     assert kept == 6 * layers + 5, kept
-    replays = 2 * k + (2 * k + 2 * k - 1 if schedule == "zb-h1" else 0)
+    replays = (4 * k - 1) * (2 if schedule == "zb-h1" else 1)
     assert recomputed == kept + replays, (kept, recomputed)
 
 
