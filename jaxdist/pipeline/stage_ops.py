@@ -170,7 +170,7 @@ class StageOps:
         """The stage's backward on its kept residuals, split into B and W (`backward_split`)."""
 
         def bwd(cw, kept, dy, b):
-            dx, _, dws = self.input_gradient(self.vjps_on(cw, kept, b), dy)
+            dx, dws = self.backward_through(self.vjps_on(cw, kept, b), dy)
             return {k: g for d in dws for k, g in d.items()}, dx
 
         cw = {k: jax.ShapeDtypeStruct(self.chunks[k].shape[1:], self.chunks[k].dtype) for k in self.template}
@@ -188,14 +188,12 @@ class StageOps:
     # -- gradients ------------------------------------------------------------------------------
 
     @staticmethod
-    def input_gradient(vjps, dy):
-        """Backward through the blocks: the stage's input gradient, each block's output gradient and
-        weight gradient (unused, and dropped by XLA, where W computes it)."""
-        cots, dws = [None] * len(vjps), [None] * len(vjps)
+    def backward_through(vjps, dy):
+        """Backward through the blocks: the stage's input gradient and each block's weight gradient."""
+        dws = [None] * len(vjps)
         for j in reversed(range(len(vjps))):
-            cots[j] = dy
             dws[j], dy = vjps[j](dy)
-        return dy, cots, dws
+        return dy, dws
 
     def add(self, st, c, dws=(), d_ow=None, loss=None):
         """`st` with block gradients `dws` (one dict per block) added to chunk c's, outer ones `d_ow`."""
@@ -257,7 +255,7 @@ class StageOps:
             dx, boundary = self.backward_split.input_gradient(cw, kept, dy, b)
             st = {**st, "cots": [_put(buf, v, row["cot_slot"]) for buf, v in zip(st["cots"], boundary, strict=True)]}
         else:
-            dx, _, dws = self.input_gradient(vjps, dy)
+            dx, dws = self.backward_through(vjps, dy)
         if position == FIRST:
             _, embed_vjp = jax.vjp(lambda ew: self.embed(ew, b), self.embed_w)
             (d_ow,) = embed_vjp(dx)
