@@ -25,6 +25,7 @@ execution, so the table cannot deadlock.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
@@ -92,7 +93,7 @@ class Schedule:
     def busy(self, rank: int) -> int:
         return sum(t.ops[rank] is not None for t in self.ticks)
 
-    @property
+    @functools.cached_property
     def split(self) -> bool:
         """Whether the backward is split into `B` (input gradient) and `W` (weight gradient) ops."""
         return any(op is not None and op.kind == WEIGHT for t in self.ticks for op in t.ops)
