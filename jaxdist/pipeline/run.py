@@ -6,16 +6,18 @@ runs stages r, r + pp, ... (its chunks), the embedding runs with stage 0 and
 the head and loss with the last stage. Each data rank's batch splits into
 micro-batches. The step runs the schedule's ticks in order, inside the
 engine's `shard_map`: at a tick every rank runs its table entry (a `lax.switch`
-on its pp rank), then the tick's activations and gradients move between
+on its pp rank; the ops: `stage_ops`), then the tick's activations and gradients move between
 neighbouring stages in one `comm.sendrecv` (with the nccl backend: one NCCL
 group, also for a warm-up tick's lone send and a cool-down tick's lone
 receive), on one token chain that orders the ticks.
 
-Memory: a stage keeps only the inputs it received, in slots the table assigns
-(freed by the backward that reads them), and its backward recomputes the
-stage's forward from that input; so the live activations of 1F1B are bounded
-by pp, not by the micro-batch count. The last stage's forward runs inside its
-backward (one recompute fewer).
+Memory: what a stage keeps between its ops lives in slots the table assigns,
+each freed by the last op that reads it (`stage_step.tick_plan`): the inputs
+it received and, by default, its forward's residuals (so the backward runs no
+second forward; `remat=True` keeps only the input and recomputes), and under
+ZB-H1 what W needs from B. So the live activations of 1F1B and ZB-H1 are
+bounded by pp, not by the micro-batch count. The last stage's F also runs the
+head, its loss and gradient, and keeps the output gradient its B starts from.
 
 Parameters are the model's tree, stored as the engine stores them (over the
 data axes and split over tp), and every block parameter is also split over pp:
@@ -53,13 +55,14 @@ class Pipelined(Parallel):
     Attributes:
       pp_axis: the mesh axis the stages are spread over (size >= 2).
       microbatches: micro-batches per data rank's batch (its rows must divide).
-      schedule: "1f1b", "gpipe" or "interleaved" (`jaxdist.pipeline.schedule`).
+      schedule: "1f1b", "gpipe", "interleaved" or "zb-h1" (alias "zbh1"; `jaxdist.pipeline.schedule`).
       virtual: stages per rank (chunks) of the interleaved schedule.
 
-    A stage's backward always recomputes its forward from the stage input (so `remat=True` adds
-    nothing and `remat=False`, keeping activations, is refused), and with an fsdp axis a step
-    gathers this rank's pieces once and keeps them (`reshard_after_forward`, `buffers` and
-    `prefetch` do not apply).
+    `remat`: None (default) or False keeps each stage's forward residuals until its backward (W
+    under ZB-H1) reads them: no second forward, and 1F1B bounds them by pp micro-batches; True
+    keeps only the stage's input and recomputes the forward in the backward (less memory, one more
+    forward). With an fsdp axis a step gathers this rank's pieces once and keeps them
+    (`reshard_after_forward`, `buffers` and `prefetch` do not apply).
     """
 
     pp_axis: str = "pp"
@@ -74,15 +77,15 @@ class Pipelined(Parallel):
         for flag in ("record_weights", "sequence_parallel", "update_in_backward"):
             if getattr(self, flag):
                 raise ValueError(f"Pipelined: {flag} is not supported with a pipeline axis yet; turn it off")
-        if self.remat is False:
-            raise ValueError(
-                "Pipelined: a stage's backward always recomputes its forward from the stage input, so it cannot "
-                "keep activations (remat=False); leave remat unset (None)"
-            )
         self.table()  # a table that cannot run is an error now, before anything is traced
 
     def axis_roles(self) -> dict[str, str]:
         return {**super().axis_roles(), "pp_axis": self.pp_axis}
+
+    @property
+    def keeps_activations(self) -> bool:
+        """Whether a stage keeps its forward's residuals for backward (else recomputes them: remat=True)."""
+        return self.remat is not True
 
     @property
     def pp(self) -> int:
@@ -115,7 +118,7 @@ class PipelineRun(PartsRun):
                 raise ValueError(f"Pipelined: Units({flag}=True) is not supported with a pipeline axis yet")
         self.cfg, self.optimizer, self.units = cfg, optimizer, units
         self.table = cfg.table()
-        self.plan = tick_plan(self.table)
+        self.plan = tick_plan(self.table, keep=cfg.keeps_activations)
         spec_rule = functools.partial(pp_spec, cfg, units.blocks)
         self.parts = parts = EngineParts.build(cfg, model, optimizer, units, batch, spec_rule=spec_rule)
         self.mesh, self.state, self.state_shardings = parts.mesh, parts.state, parts.state_shardings
@@ -143,5 +146,5 @@ class PipelineRun(PartsRun):
                 "Pipelined: models with non-parameter variables (dropout RNG streams, batch statistics) are not "
                 "supported with a pipeline axis yet"
             )
-        grads = ScheduleGrads(cfg, parts, self.table, self.plan, self.placement)
+        grads = ScheduleGrads(cfg, parts, self.table, self.plan, self.placement, keep=cfg.keeps_activations)
         self._step, self.step = parts.placed_step(grads)

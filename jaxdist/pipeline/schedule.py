@@ -5,7 +5,10 @@ A pipeline splits the model into `pp * v` stages; rank r holds the `v` stages
 A tick is one time slot: every rank runs at most one op, the forward `F` or the
 backward `B` of one micro-batch on one of its stages, then the tick's messages
 move: the activation an `F` produced goes to the next stage's rank, the input
-gradient a `B` produced to the previous stage's rank. A message is received in
+gradient a `B` produced to the previous stage's rank. A zero-bubble table splits
+the backward: `B` is then the input gradient only (what the previous stage
+waits for) and `W` the weight gradient, which sends nothing and may run later,
+in a tick that would be idle. A message is received in
 the tick it is sent (one `comm.sendrecv` per tick), and used in a later tick.
 Each rank sends and receives at most one message per tick (what one sendrecv
 carries); generators delay an op rather than break that.
@@ -13,24 +16,28 @@ carries); generators delay an op rather than break that.
 `validate` proves a table executable before anything is traced: every send has
 its receive on the neighbour in the same tick (and no receive lacks its send),
 every op runs once and after what it depends on (F of stage s after F of
-stage s - 1; B after its own F and after B of stage s + 1), every message is
-received before the op that needs it. With those, the ticks in order are an
+stage s - 1; B after its own F and after B of stage s + 1; W after its own B),
+every message is received before the op that needs it, and a table has a W for
+every B or none. With those, the ticks in order are an
 execution, so the table cannot deadlock.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
-FORWARD, BACKWARD = "F", "B"
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 ACTIVATION, GRADIENT = "activation", "gradient"
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+ALIASES = {"zbh1": "zb-h1"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """The forward (`F`) or backward (`B`) of `microbatch` on global stage `stage`."""
+    """The forward (`F`), backward (`B`; the input gradient alone where the table has `W` ops) or
+    weight gradient (`W`) of `microbatch` on global stage `stage`."""
 
     kind: str
     microbatch: int
@@ -86,26 +93,52 @@ class Schedule:
     def busy(self, rank: int) -> int:
         return sum(t.ops[rank] is not None for t in self.ticks)
 
+    @functools.cached_property
+    def split(self) -> bool:
+        """Whether the backward is split into `B` (input gradient) and `W` (weight gradient) ops."""
+        return any(op is not None and op.kind == WEIGHT for t in self.ticks for op in t.ops)
+
     @property
     def bubble(self) -> float:
         """Idle fraction of rank-ticks (every op counted as one tick of work)."""
         total = len(self.ticks) * self.pp
         return 1 - sum(self.busy(r) for r in range(self.pp)) / total
 
+    def cost(self, op: Op | None) -> int:
+        """An op's work in units of a forward: F and the split B and W one each, an unsplit B two."""
+        if op is None:
+            return 0
+        return 2 if op.kind == BACKWARD and not self.split else 1
+
+    @property
+    def span(self) -> int:
+        """The step's length in forward units when every tick lasts as long as its longest op (the
+        ticks are synchronous: a tick's sendrecv waits for every rank's op)."""
+        return sum(max(self.cost(op) for op in t.ops) for t in self.ticks)
+
+    @property
+    def timed_bubble(self) -> float:
+        """Idle fraction of the ranks' time over `span` (ops weighted by `cost`): the bubble to compare
+        across split and unsplit tables."""
+        work = sum(self.cost(op) for t in self.ticks for op in t.ops)
+        return 1 - work / (self.span * self.pp)
+
     def in_flight(self, rank: int) -> int:
-        """The most micro-batch stages whose forward ran on `rank` and whose backward has not yet:
-        the activations the rank keeps alive for backward."""
+        """The most micro-batch stages whose forward ran on `rank` and whose backward (its `W` in a
+        split table) has not yet: the activations the rank keeps alive for backward."""
+        release = WEIGHT if self.split else BACKWARD
         live = peak = 0
         for t in self.ticks:
             op = t.ops[rank]
-            if op is not None:
+            if op is not None and op.kind in (FORWARD, release):
                 live += 1 if op.kind == FORWARD else -1
                 peak = max(peak, live)
         return peak
 
     def __str__(self) -> str:
         """A tick per row, a rank per column: `F3` forward of micro-batch 3 (`F3.1`: on the rank's
-        chunk 1), `B3` backward, `.` idle; `>` / `<` after it: it sends to the next / previous rank."""
+        chunk 1), `B3` backward, `W3` weight gradient, `.` idle; `>` / `<` after it: it sends to the
+        next / previous rank. The last line: the tick count and bubble, then the timed ones."""
         head = ["tick"] + [f"rank{r}" for r in range(self.pp)]
         rows = [head]
         for i, t in enumerate(self.ticks):
@@ -120,7 +153,9 @@ class Schedule:
         widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
         lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         lines.append(
-            f"{self.name}: pp={self.pp} v={self.v} m={self.m}, {len(self.ticks)} ticks, bubble {self.bubble:.3f}"
+            f"{self.name}: pp={self.pp} v={self.v} m={self.m}, {len(self.ticks)} ticks, bubble {self.bubble:.3f}; "
+            f"timed (F=1, B={1 if self.split else 2}{', W=1' if self.split else ''}): {self.span} units, "
+            f"bubble {self.timed_bubble:.3f}"
         )
         return "\n".join(lines)
 
@@ -146,32 +181,43 @@ def _needs(op: Op, stages: int) -> list[Op]:
     """The ops that must run at an earlier tick than `op`."""
     if op.kind == FORWARD:
         return [Op(FORWARD, op.microbatch, op.stage - 1)] if op.stage > 0 else []
+    if op.kind == WEIGHT:
+        return [Op(BACKWARD, op.microbatch, op.stage)]
     deps = [Op(FORWARD, op.microbatch, op.stage)]
     if op.stage < stages - 1:
         deps.append(Op(BACKWARD, op.microbatch, op.stage + 1))
     return deps
 
 
-def _place(name: str, pp: int, v: int, m: int, orders: list[list[Op]]) -> Schedule:
+def _place(name: str, pp: int, v: int, m: int, orders: list[list[Op]], bound: list[int] | None = None) -> Schedule:
     """Run each rank's op order as early as its dependencies allow (list scheduling), an op waiting
-    a tick where its message's receiver already receives one: the table of that execution."""
+    a tick where its message's receiver already receives one: the table of that execution.
+
+    With `bound` (a split table) each B queues its W, and a rank runs its oldest queued W in a tick
+    where its next op cannot run, or where that op is an F and `bound[rank]` micro-batches already
+    hold activations (forward run, W not yet): so W fills the bubbles and the activations a rank
+    keeps never exceed its bound; queued Ws left at the end run in order."""
     stages = pp * v
     when: dict[Op, int] = {}
     pos = [0] * pp
+    queued: list[list[Op]] = [[] for _ in range(pp)]
+    live = [0] * pp
     ticks = []
-    while any(pos[r] < len(orders[r]) for r in range(pp)):
+    while any(pos[r] < len(orders[r]) or queued[r] for r in range(pp)):
         t = len(ticks)
         ops: list[Op | None] = [None] * pp
         sends: list[Message | None] = [None] * pp
         recvs: list[Message | None] = [None] * pp
         for r in range(pp):
-            if pos[r] == len(orders[r]):
-                continue
-            op = orders[r][pos[r]]
-            if any(when.get(d, t) >= t for d in _needs(op, stages)):
-                continue
-            msg = _message(op, pp, stages)
-            if msg is not None and recvs[msg.dst] is not None:
+            op = orders[r][pos[r]] if pos[r] < len(orders[r]) else None
+            ready = op is not None and all(when.get(d, t) < t for d in _needs(op, stages))
+            msg = _message(op, pp, stages) if ready else None
+            ready = ready and not (msg is not None and recvs[msg.dst] is not None)
+            if bound is not None and ready and op.kind == FORWARD and live[r] >= bound[r]:
+                ready = False
+            if not ready:
+                if queued[r]:  # queued at the end of its B's tick: runs after it
+                    ops[r] = queued[r].pop(0)
                 continue
             ops[r], sends[r] = op, msg
             if msg is not None:
@@ -180,9 +226,16 @@ def _place(name: str, pp: int, v: int, m: int, orders: list[list[Op]]) -> Schedu
             stuck = {r: orders[r][pos[r]] for r in range(pp) if pos[r] < len(orders[r])}
             raise ScheduleError(f"{name}: the op orders deadlock at tick {t}: waiting ops {stuck}")
         for r, op in enumerate(ops):
-            if op is not None:
-                when[op] = t
-                pos[r] += 1
+            if op is None:
+                continue
+            when[op] = t
+            if op.kind == WEIGHT:
+                live[r] -= 1
+                continue
+            pos[r] += 1
+            live[r] += op.kind == FORWARD
+            if bound is not None and op.kind == BACKWARD:
+                queued[r].append(Op(WEIGHT, op.microbatch, op.stage))
         ticks.append(Tick(tuple(ops), tuple(sends), tuple(recvs)))
     schedule = Schedule(name, pp, v, m, tuple(ticks))
     validate(schedule)
@@ -206,6 +259,10 @@ def one_f_one_b(pp: int, m: int) -> Schedule:
     """1F1B (PipeDream-Flush, Narayanan et al., 2021): rank r runs pp - r - 1 warm-up forwards, then
     alternates one forward and one backward, then drains; at most pp micro-batches in flight."""
     _check_sizes("1f1b", pp, 1, m)
+    return _place("1f1b", pp, 1, m, _one_f_one_b_orders(pp, m))
+
+
+def _one_f_one_b_orders(pp: int, m: int) -> list[list[Op]]:
     orders = []
     for r in range(pp):
         warm = min(pp - r - 1, m)
@@ -214,7 +271,18 @@ def one_f_one_b(pp: int, m: int) -> Schedule:
             order += [Op(FORWARD, i, r), Op(BACKWARD, i - warm, r)]
         order += [Op(BACKWARD, i, r) for i in range(m - warm, m)]
         orders.append(order)
-    return _place("1f1b", pp, 1, m, orders)
+    return orders
+
+
+def zb_h1(pp: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al., 2023, "Zero Bubble Pipeline Parallelism"): 1F1B's order with the backward
+    split into B (the input gradient, which the previous stage waits for) and W (the weight
+    gradient): a W runs where its rank would wait, so the cool-down's bubble fills with W ops. Every
+    rank keeps at most pp micro-batches' activations (forward run, W not yet), the most any rank
+    keeps under 1F1B (rank 0): the same peak memory. At equal F, B and W times its length is
+    3 m + pp - 1 ticks: a bubble of pp - 1 op times, a third of 1F1B's."""
+    _check_sizes("zb-h1", pp, 1, m)
+    return _place("zb-h1", pp, 1, m, _one_f_one_b_orders(pp, m), bound=[pp] * pp)
 
 
 def interleaved(pp: int, v: int, m: int) -> Schedule:
@@ -246,11 +314,13 @@ def interleaved(pp: int, v: int, m: int) -> Schedule:
 
 
 def make(name: str, pp: int, m: int, v: int = 1) -> Schedule:
-    """The schedule called `name` ("gpipe", "1f1b" or "interleaved")."""
+    """The schedule called `name` (one of `SCHEDULES`, or an alias: "zbh1")."""
+    name = ALIASES.get(name, name)
     makers: dict[str, Callable[[], Schedule]] = {
         "gpipe": lambda: gpipe(pp, m),
         "1f1b": lambda: one_f_one_b(pp, m),
         "interleaved": lambda: interleaved(pp, v, m),
+        "zb-h1": lambda: zb_h1(pp, m),
     }
     if name not in makers:
         raise ValueError(f"pipeline schedule {name!r} is unknown; pick one of {SCHEDULES}")
@@ -289,6 +359,8 @@ def validate(s: Schedule) -> None:
                 )
             if op is None:
                 continue
+            if op.kind not in (FORWARD, BACKWARD, WEIGHT):
+                raise ScheduleError(f"tick {t}: rank {r} runs {op}, of no kind F, B or W")
             if not (0 <= op.stage < stages and op.stage % s.pp == r and 0 <= op.microbatch < s.m):
                 raise ScheduleError(f"tick {t}: rank {r} cannot run {op} (stage or micro-batch out of range)")
             if op in when:
@@ -297,7 +369,7 @@ def validate(s: Schedule) -> None:
                 if when.get(dep, t) >= t:
                     raise ScheduleError(f"tick {t}: rank {r} runs {op} before {dep} ran; it depends on it")
             kind = ACTIVATION if op.kind == FORWARD else GRADIENT
-            has_input = op.stage > 0 if op.kind == FORWARD else op.stage < stages - 1
+            has_input = op.stage > 0 if op.kind == FORWARD else op.kind == BACKWARD and op.stage < stages - 1
             if has_input and received.get((kind, op.microbatch, op.stage), t) >= t:
                 raise ScheduleError(f"tick {t}: rank {r} runs {op} before receiving its {kind}")
         for op in tick.ops:
@@ -306,7 +378,8 @@ def validate(s: Schedule) -> None:
         for msg in tick.recvs:
             if msg is not None:
                 received[(msg.kind, msg.microbatch, msg.stage)] = t
-    missing = [Op(k, i, st) for k in (FORWARD, BACKWARD) for i in range(s.m) for st in range(stages)]
+    kinds = (FORWARD, BACKWARD, WEIGHT) if s.split else (FORWARD, BACKWARD)
+    missing = [Op(k, i, st) for k in kinds for i in range(s.m) for st in range(stages)]
     missing = [op for op in missing if op not in when]
     if missing:
         raise ScheduleError(f"the table never runs {missing[:4]}{' ...' if len(missing) > 4 else ''}")

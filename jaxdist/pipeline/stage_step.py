@@ -1,12 +1,15 @@
 """The pipeline's per-device program: the schedule table's ticks in order, inside the engine's
 `shard_map`, given to `jaxdist.engine.step.train_step` in place of the engine's unit loop.
 
-At a tick every rank runs its table entry (a `lax.switch` on its pp rank), then the tick's
-activations and gradients move between neighbouring stages in one `comm.sendrecv`, on one token
-chain that orders the ticks. A stage keeps only the inputs it received, in slots the table assigns
-(`tick_plan`), and its backward recomputes the stage's forward from that input; the last stage's
-forward runs inside its backward. A rank's stage gradients are averaged over the data axes in the
-tick of its last op.
+At a tick every rank runs its table entry (a `lax.switch` on its pp rank over the op kinds the table
+uses, `stage_ops`), then the tick's activations and gradients move between neighbouring stages in
+one `comm.sendrecv`, on one token chain that orders the ticks. What a stage keeps between its ops
+lives in slots the table assigns (`tick_plan`): the inputs it received (and the last stage's
+output gradient, from its F's head), its forward's residuals (activations kept, the default) and,
+in a split table, the values W reads from B; each
+slot is freed by the last op that reads it, so 1F1B's live activations are bounded by pp, not by
+the micro-batch count. A rank's stage gradients are averaged over the data axes in the tick of its
+last op.
 """
 
 from __future__ import annotations
@@ -20,69 +23,100 @@ from jax import lax
 
 from jaxdist import comm
 from jaxdist.compat import model_sharding_dropped
-from jaxdist.engine.options import Options, axis_arg
+from jaxdist.engine.options import Options
 from jaxdist.engine.run import EngineParts
 from jaxdist.engine.unit_comm import by_dtype
 from jaxdist.pipeline import schedule as ps
 from jaxdist.pipeline.placement import StagePlacement
+from jaxdist.pipeline.stage_ops import FIRST, IDLE, LAST, MID, StageOps, branch_code, summed_dtype
 
-IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, B_LAST = range(7)
+SLOTS = ("act", "grad", "res", "cot")  # received activations and gradients, residuals, W's gradients
 
 
 @dataclasses.dataclass(frozen=True)
 class TickPlan:
-    """Per tick, per pp rank: the branch, chunk, micro-batch, input slots, and what arrives where."""
+    """Per tick, per pp rank: the branch, chunk, micro-batch, the slots its op reads or writes, and
+    what arrives where; `slots`: how many of each kind a rank holds."""
 
     branch: np.ndarray  # (ticks, pp)
     chunk: np.ndarray
     microbatch: np.ndarray
     act_slot: np.ndarray
     grad_slot: np.ndarray
+    res_slot: np.ndarray
+    cot_slot: np.ndarray
     recv_kind: np.ndarray  # 0 nothing, 1 activation, 2 gradient
     recv_slot: np.ndarray
     done: np.ndarray  # 1 at the tick of the rank's last op: its stage gradients are final
-    act_slots: int
-    grad_slots: int
+    slots: dict
+
+    @property
+    def act_slots(self) -> int:
+        return self.slots["act"]
+
+    @property
+    def res_slots(self) -> int:
+        return self.slots["res"]
 
 
-def tick_plan(s: ps.Schedule) -> TickPlan:
-    """The table as the arrays the step indexes by pp rank. A received message takes the lowest free
-    slot of its kind on its rank; the backward of its (stage, micro-batch) frees it."""
+def _lifetimes(s: ps.Schedule, keep: bool, op: ps.Op) -> tuple[set, set]:
+    """The slot kinds `op` frees (it reads them last) and those it fills."""
+    last = op.stage == s.stages - 1
+    if op.kind == ps.FORWARD:  # the last stage's F also fills a gradient slot: the head's output gradient
+        fills = ({"res"} if keep else set()) | ({"grad"} if last else set())
+        return ({"act"} if keep and op.stage > 0 else set()), fills
+    if op.kind == ps.BACKWARD:
+        if not s.split:  # the last op of the micro-batch's stage: whatever it held
+            return {"grad", "act", "res"}, set()
+        return {"grad"}, {"cot"}
+    return {"res", "cot"} | (set() if keep else {"act"}), set()
+
+
+def tick_plan(s: ps.Schedule, keep: bool = True) -> TickPlan:
+    """The table as the arrays the step indexes by pp rank. A slot of each kind is taken lowest-free
+    by what fills it (a received message, the op that stores residuals or W's gradients) and freed by
+    the op that reads it last; `keep`: the forward's residuals are kept (else recomputed from the
+    received input, which then lives until the last backward op)."""
     shape = (len(s.ticks), s.pp)
-    arrays = {
-        k: np.zeros(shape, np.int32) for k in TickPlan.__dataclass_fields__ if k not in ("act_slots", "grad_slots")
-    }
-    most = {ps.ACTIVATION: 1, ps.GRADIENT: 1}
+    arrays = {k: np.zeros(shape, np.int32) for k in TickPlan.__dataclass_fields__ if k != "slots"}
+    most = dict.fromkeys(SLOTS, 0)
     last = s.stages - 1
     for r in range(s.pp):
         held: dict[tuple, int] = {}
+
+        def take(kind, key, held=held):
+            taken = {slot for k, slot in held.items() if k[0] == kind}
+            slot = min(set(range(len(taken) + 1)) - taken)
+            held[(kind, *key)] = slot
+            most[kind] = max(most[kind], slot + 1)
+            return slot
+
         final_tick = 0
         for t, tick in enumerate(s.ticks):
             op = tick.ops[r]
             if op is not None:
-                forward = op.kind == ps.FORWARD
-                first, end = op.stage == 0, op.stage == last
-                arrays["branch"][t, r] = (F_FIRST if first else F_LAST if end else F_MID) + (0 if forward else 3)
+                key = (op.microbatch, op.stage)
+                position = FIRST if op.stage == 0 else LAST if op.stage == last else MID
+                if position == LAST and op.kind != ps.FORWARD:  # the head ran in the F: B and W as a middle stage's
+                    position = MID
+                arrays["branch"][t, r] = branch_code(op.kind, position)
                 arrays["chunk"][t, r] = op.stage // s.pp
                 arrays["microbatch"][t, r] = op.microbatch
-                act = (ps.ACTIVATION, op.microbatch, op.stage)
-                grad = (ps.GRADIENT, op.microbatch, op.stage)
-                arrays["act_slot"][t, r] = held.get(act, 0)
-                arrays["grad_slot"][t, r] = held.get(grad, 0)
-                if not forward:
-                    held.pop(act, None)
-                    held.pop(grad, None)
+                frees, fills = _lifetimes(s, keep, op)
+                for kind in SLOTS:
+                    arrays[f"{kind}_slot"][t, r] = held.get((kind, *key), 0)
+                for kind in frees:
+                    held.pop((kind, *key), None)
+                for kind in sorted(fills):
+                    arrays[f"{kind}_slot"][t, r] = take(kind, key)
                 final_tick = t
             msg = tick.recvs[r]
             if msg is not None:
-                taken = {slot for key, slot in held.items() if key[0] == msg.kind}
-                slot = min(set(range(len(taken) + 1)) - taken)
-                held[(msg.kind, msg.microbatch, msg.stage)] = slot
-                most[msg.kind] = max(most[msg.kind], slot + 1)
-                arrays["recv_kind"][t, r] = 1 if msg.kind == ps.ACTIVATION else 2
-                arrays["recv_slot"][t, r] = slot
+                kind = "act" if msg.kind == ps.ACTIVATION else "grad"
+                arrays["recv_kind"][t, r] = 1 if kind == "act" else 2
+                arrays["recv_slot"][t, r] = take(kind, (msg.microbatch, msg.stage))
         arrays["done"][final_tick, r] = 1
-    return TickPlan(**arrays, act_slots=most[ps.ACTIVATION], grad_slots=most[ps.GRADIENT])
+    return TickPlan(**arrays, slots={k: max(n, 1) for k, n in most.items()})
 
 
 def micro_avals(cfg: Options, local):
@@ -97,109 +131,31 @@ def micro_avals(cfg: Options, local):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // m, *a.shape[1:]), a.dtype), local)
 
 
-def as_microbatches(m: int, batch):
-    """A data rank's batch as `m` micro-batches along a new leading axis."""
-    return jax.tree.map(lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:]), batch)
-
-
-def summed_dtype(cfg: Options, dtype):
-    """The dtype micro-batch gradients are summed in: reduce_dtype where it is the wider (float32 for
-    bfloat16 compute), since a bfloat16 sum would lose what reducing in float32 keeps."""
-    return jnp.promote_types(dtype, cfg.reduce_dtype or dtype)
-
-
-class _Ticks:
-    """One trace of the schedule: this rank's weights and micro-batches, and each branch of the table."""
-
-    def __init__(self, grads: ScheduleGrads, w: dict, chunks: dict, batch, model_state):
-        self.grads, self.cfg, self.code = grads, grads.cfg, grads.parts.code
-        self.m = self.cfg.microbatches
-        self.template = grads.placement.stage_leaves
-        self.chunks = chunks
-        self.embed_w = {k: w[k] for k in self.code.embed_leaves}
-        self.head_w = {k: w[k] for k in self.code.head_leaves}
-        self.outer_keys = sorted(set(self.code.embed_leaves) | set(self.code.head_leaves))
-        self.micro = as_microbatches(self.m, batch)
-        self.outer_in, self.blocks_in = model_state["outer"], model_state["blocks"]
-        # this step's batch may differ in size from prepare's example: the activations' shape follows it
-        self.x_aval = grads.x_aval(
-            micro_avals(self.cfg, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch))
-        )
-        self.zeros_x = jnp.zeros(self.x_aval.shape, self.x_aval.dtype)
-        self.seed = jnp.asarray(1.0 / self.m)  # the global batch mean is the mean of the micro-batch means
-        self.data_axes = axis_arg(self.cfg.data_axes) if self.cfg.data_axes else ()
-
-    def blocks(self, cw, x, b):
-        """The stage's blocks on chunk weights `cw` (template leaves)."""
-        for i in range(self.grads.placement.per_stage):
-            x, _ = self.code.block(i, {k: cw[k] for k in self.code.block_leaves[i]}, x, b, self.blocks_in[i])
-        return x
-
-    def embed(self, ew, b):
-        return self.code.embed(ew, b, self.outer_in)[0]
-
-    def head(self, hw, x, b):
-        return self.code.head(hw, x, b, self.outer_in)[0]
-
-    def first_stage(self, ew, cw, b):
-        return self.blocks(cw, self.embed(ew, b), b)
-
-    def last_stage(self, hw, cw, x, b):
-        return self.head(hw, self.blocks(cw, x, b), b)
+class _Ticks(StageOps):
+    """The schedule's ticks over `StageOps`' branches: the scan's state and its loop."""
 
     def initial(self, w: dict) -> dict:
-        """The scan's state: the received activations and gradients (slots), the summed gradients, the loss."""
-        plan, v = self.grads.plan, self.cfg.virtual
+        """The scan's state: the slots, the summed gradients, the loss."""
+        plan, v = self.plan, self.cfg.virtual
 
-        def x_slots(n):
-            return jnp.zeros((n, *self.x_aval.shape), self.x_aval.dtype)
+        def x_slots(n, *inner):
+            return jnp.zeros((n, *inner, *self.x_aval.shape), self.x_aval.dtype)
 
         chunks = self.chunks
-        return {
-            "acts": x_slots(plan.act_slots),
-            "grads": x_slots(plan.grad_slots),
+        st = {
+            "acts": x_slots(plan.slots["act"]),
+            "grads": x_slots(plan.slots["grad"]),
             "dw": {
                 k: jnp.zeros((v, *chunks[k].shape[1:]), summed_dtype(self.cfg, chunks[k].dtype)) for k in self.template
             },
             "douter": {k: jnp.zeros(w[k].shape, summed_dtype(self.cfg, w[k].dtype)) for k in self.outer_keys},
             "loss": jnp.zeros((), jnp.float32),
         }
-
-    def add(self, st, c, d_cw, d_ow=None, loss=None):
-        st = dict(st)
-        st["dw"] = {k: st["dw"][k].at[c].add(d_cw[k]) for k in self.template}
-        if d_ow:
-            st["douter"] = {k: st["douter"][k] + d_ow.get(k, 0) for k in self.outer_keys}
-        if loss is not None:
-            st["loss"] = st["loss"] + loss / self.m
+        if self.keep:
+            st["res"] = self.initial_residuals()
+        if self.split:
+            st["cots"] = self.initial_boundary()
         return st
-
-    def branch(self, kind: int):
-        """The table entry `kind` as `run(st, chunk, microbatch, act_slot, grad_slot) -> (st, out)`."""
-
-        def run(st, c, i, a, g):
-            b = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), self.micro)
-            cw = {k: lax.dynamic_index_in_dim(self.chunks[k], c, keepdims=False) for k in self.template}
-            x, dy = st["acts"][a], st["grads"][g]
-            if kind == F_FIRST:
-                return st, self.blocks(cw, self.embed(self.embed_w, b), b)
-            if kind == F_MID:
-                return st, self.blocks(cw, x, b)
-            if kind == B_FIRST:
-                _, vjp = jax.vjp(lambda ew, cw: self.first_stage(ew, cw, b), self.embed_w, cw)
-                d_ew, d_cw = vjp(dy)
-                return self.add(st, c, d_cw, d_ew), self.zeros_x
-            if kind == B_MID:
-                _, vjp = jax.vjp(lambda cw, x: self.blocks(cw, x, b), cw, x)
-                d_cw, dx = vjp(dy)
-                return self.add(st, c, d_cw), dx
-            if kind == B_LAST:
-                loss, vjp = jax.vjp(lambda hw, cw, x: self.last_stage(hw, cw, x, b), self.head_w, cw, x)
-                d_hw, d_cw, dx = vjp(self.seed.astype(loss.dtype))
-                return self.add(st, c, d_cw, d_hw, loss), dx
-            return st, self.zeros_x  # idle, and the last stage's forward (run inside its backward)
-
-        return run
 
     def exchange(self, perm):
         """The tick's sendrecv over pp for one of the table's patterns (none: nothing arrives)."""
@@ -218,34 +174,41 @@ class _Ticks:
         dw, tok = mean_over(dw, self.data_axes, tok, cfg.backend)
         return {**st, "dw": {k: x.astype(st["dw"][k].dtype) for k, x in dw.items()}}, tok
 
-    def run(self, st, rank, tok):
-        """The table's ticks, one traced tick scanned over its rows; a tick's communication is one of the
-        table's distinct sendrecv patterns (a switch uniform over pp, so every rank takes the same one)."""
-        s, plan = self.grads.table, self.grads.plan
-        perms = sorted({t.perm() for t in s.ticks})
-        pattern = np.asarray([perms.index(t.perm()) for t in s.ticks], np.int32)
-        rows = (plan.branch, plan.chunk, plan.microbatch, plan.act_slot, plan.grad_slot, plan.recv_kind)
-        branches = [self.branch(k) for k in range(B_LAST + 1)]
+    def idle(self, st, row):
+        return st, self.zeros_x
+
+    def run(self, st, rank, table: ps.Schedule, tok):
+        """The table's ticks, one traced tick scanned over its rows; a tick's op is one of the branches
+        the table uses, its communication one of the table's distinct sendrecv patterns (a switch
+        uniform over pp, so every rank takes the same one)."""
+        plan = self.plan
+        perms = sorted({t.perm() for t in table.ticks})
+        pattern = np.asarray([perms.index(t.perm()) for t in table.ticks], np.int32)
+        codes = sorted(set(plan.branch.flat) | {IDLE})
+        which_branch = np.asarray([codes.index(c) for c in plan.branch.flat], np.int32).reshape(plan.branch.shape)
+        branches = [self.idle if c == IDLE else self.branch(c) for c in codes]
         exchanges = [self.exchange(p) for p in perms]
+        names = ("chunk", "microbatch", *(f"{k}_slot" for k in SLOTS), "recv_kind", "recv_slot", "done")
 
         def unchanged(st, tok):
             return st, tok
 
-        def tick(carry, row):
+        def tick(carry, xs):
             st, tok = carry
-            (kind, c, i, a, g, got_kind), slot, which = [x[rank] for x in row[:6]], row[6][rank], row[7]
-            st, out = lax.switch(kind, branches, st, c, i, a, g)
-            got, tok = lax.switch(which, exchanges, out, tok)
+            row = {k: x[rank] for k, x in xs["rank"].items()}
+            st, out = lax.switch(row["branch"], branches, st, row)
+            got, tok = lax.switch(xs["pattern"], exchanges, out, tok)
             for code, name in ((1, "acts"), (2, "grads")):
-                keep = lax.dynamic_index_in_dim(st[name], slot, keepdims=False)
-                new = jnp.where(got_kind == code, got, keep)
-                st = {**st, name: lax.dynamic_update_index_in_dim(st[name], new, slot, 0)}
+                keep = lax.dynamic_index_in_dim(st[name], row["recv_slot"], keepdims=False)
+                new = jnp.where(row["recv_kind"] == code, got, keep)
+                st = {**st, name: lax.dynamic_update_index_in_dim(st[name], new, row["recv_slot"], 0)}
             if self.cfg.data_axes:  # after the rank's last op, while the other stages still run the cool-down
-                st, tok = lax.cond(row[8][rank] == 1, self.average_stages, unchanged, st, tok)
+                st, tok = lax.cond(row["done"] == 1, self.average_stages, unchanged, st, tok)
             return (st, tok), None
 
-        xs = tuple(jnp.asarray(x) for x in (*rows, plan.recv_slot, pattern, plan.done))
-        (st, tok), _ = lax.scan(tick, (st, tok), xs)
+        per_rank = {k: jnp.asarray(getattr(plan, k)) for k in names}
+        per_rank["branch"] = jnp.asarray(which_branch)
+        (st, tok), _ = lax.scan(tick, (st, tok), {"rank": per_rank, "pattern": jnp.asarray(pattern)})
         return st, tok
 
 
@@ -255,11 +218,21 @@ class ScheduleGrads:
 
     Args:
       cfg: the pipeline's options; parts: the engine's parts of the run.
-      table, plan: the schedule and its arrays (`tick_plan`); placement: the blocks over pp.
+      table, plan: the schedule and its arrays (`tick_plan`, built with the same `keep`);
+      placement: the blocks over pp; keep: keep the forward's residuals (else recompute them).
     """
 
-    def __init__(self, cfg: Options, parts: EngineParts, table: ps.Schedule, plan: TickPlan, placement: StagePlacement):
+    def __init__(
+        self,
+        cfg: Options,
+        parts: EngineParts,
+        table: ps.Schedule,
+        plan: TickPlan,
+        placement: StagePlacement,
+        keep: bool = True,
+    ):
         self.cfg, self.parts, self.table, self.plan, self.placement = cfg, parts, table, plan, placement
+        self.keep = keep
 
     def x_aval(self, micro):
         """The activations' aval between stages for micro-batches of avals `micro`."""
@@ -275,8 +248,10 @@ class ScheduleGrads:
         handle, tok = gather.start(dict(enumerate(jax.tree.leaves(params))), tok)
         w, tok = gather.wait(handle, tok)  # every piece whole over the storage axis, kept for the step
         chunks, tok = self.placement.stage_weights(w, rank, tok)  # leaf of the template blocks -> (v, *tp piece)
-        ticks = _Ticks(self, w, chunks, batch, model_state)
-        st, tok = ticks.run(ticks.initial(w), rank, tok)
+        # this step's batch may differ in size from prepare's example: the activations' shape follows it
+        micro = micro_avals(cfg, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch))
+        ticks = _Ticks(self, w, chunks, batch, model_state, micro, self.x_aval(micro))
+        st, tok = ticks.run(ticks.initial(w), rank, self.table, tok)
 
         # each block's gradient (already averaged over the data axes) back to the pp pieces it is
         # stored in, then this rank's share of the storage axis; embedding and head summed over pp

@@ -122,8 +122,8 @@ class ParallelConfig:
     sequence_parallel: bool = _key(False, "TP: split activations between tp layers (batch rows if tp divides them)")
     remat: bool | str = _key(
         "auto",
-        "block activations in backward: auto (kept, recomputed under FSDP), true (recomputed: less memory, one "
-        "more forward) or false (kept; FSDP rebuilds only the weights' own residuals)",
+        "block activations in backward: auto (kept, recomputed under FSDP; kept under pp), true (recomputed: less "
+        "memory, one more forward) or false (kept; FSDP rebuilds only the weights' own residuals)",
     )
     backend: str = _key("xla", "comm backend: xla or nccl (NVIDIA GPUs only)")
     comm_dtype: str = _key(
@@ -134,7 +134,7 @@ class ParallelConfig:
     cp: int = _key(1, "context-parallel size (> 1: sequences split over cp; seq_len must divide by 2 cp)", COUNT)
     pp: int = _key(1, "pipeline-parallel size (> 1: the model's blocks split into pp x virtual stages)", COUNT)
     microbatches: int = _key(4, "pipeline: micro-batches per data rank's batch", COUNT)
-    schedule: str = _key("1f1b", "pipeline schedule: 1f1b, gpipe or interleaved")
+    schedule: str = _key("1f1b", "pipeline schedule: 1f1b, gpipe, interleaved or zb-h1 (zero bubble; alias zbh1)")
     virtual: int = _key(1, "pipeline: stages per rank (interleaved schedule)", COUNT)
 
 
@@ -309,11 +309,6 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"parallel.comm_dtype must be param or compute, got {cfg.parallel.comm_dtype!r}")
     if cfg.parallel.remat not in (True, False, "auto"):
         raise ConfigError(f"parallel.remat must be auto, true or false, got {cfg.parallel.remat!r}")
-    if cfg.parallel.remat is False and cfg.parallel.pp > 1:
-        raise ConfigError(
-            "parallel.remat=false (keep activations) does not work with parallel.pp > 1: a stage's backward "
-            "recomputes its forward; set it to auto"
-        )
     if cfg.parallel.cp > 1 and cfg.optim.accumulation_steps > 1:
         raise ConfigError("optim.accumulation_steps > 1 works with DDP only; set it to 1 with parallel.cp > 1")
     if cfg.parallel.cp > 1 and cfg.parallel.update_in_backward:

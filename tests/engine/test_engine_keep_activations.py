@@ -240,7 +240,7 @@ def test_rebuilt_residuals_equal_the_forwards_and_run_none_of_its_ops_on_activat
     assert "debug_callback" not in str(jaxpr) and "tanh" not in str(jaxpr)
 
 
-def test_remat_options_and_where_keeping_activations_is_refused():
+def test_remat_options_say_what_backward_keeps():
     from jaxdist.pipeline.run import Pipelined
 
     mesh = cpu_mesh((8,), ("fsdp",))
@@ -250,5 +250,7 @@ def test_remat_options_and_where_keeping_activations_is_refused():
     assert Parallel(cpu_mesh((8,), ("dp",))).backward_residuals == "kept"
     with pytest.raises(ValueError, match="remat must be None \\(auto\\), True or False"):
         Parallel(mesh, remat="yes")
-    with pytest.raises(ValueError, match="cannot keep activations \\(remat=False\\); leave remat unset"):
-        Pipelined(cpu_mesh((4, 2), ("dp", "pp")), remat=False, microbatches=2)
+    pipeline = cpu_mesh((4, 2), ("dp", "pp"))  # a stage keeps its residuals unless told to recompute
+    assert Pipelined(pipeline, microbatches=2).keeps_activations
+    assert Pipelined(pipeline, remat=False, microbatches=2).keeps_activations
+    assert not Pipelined(pipeline, remat=True, microbatches=2).keeps_activations

@@ -40,6 +40,25 @@ INTERLEAVED_2_2_2 = [
     ["B1.0", "."],
 ]
 
+# ZB-H1, pp=2: 1F1B's F and B order (B the input gradient alone); each W runs in a tick where its
+# rank's next op must wait (tick 4: rank 0's F2 would make 3 micro-batches in flight, more than
+# pp=2; tick 12: nothing else is left), so the cool-down has no idle tick left.
+ZB_H1_2_4 = [
+    ["F0>", "."],
+    ["F1>", "F0"],
+    [".", "B0<"],
+    ["B0", "F1"],
+    ["W0", "B1<"],
+    ["F2>", "W0"],
+    ["B1", "F2"],
+    ["W1", "B2<"],
+    ["F3>", "W1"],
+    ["B2", "F3"],
+    ["W2", "B3<"],
+    ["B3", "W2"],
+    ["W3", "W3"],
+]
+
 
 @pytest.mark.parametrize(
     ("schedule", "expected"),
@@ -47,8 +66,9 @@ INTERLEAVED_2_2_2 = [
         (lambda: ps.one_f_one_b(2, 4), ONE_F_ONE_B_2_4),
         (lambda: ps.gpipe(2, 2), GPIPE_2_2),
         (lambda: ps.interleaved(2, 2, 2), INTERLEAVED_2_2_2),
+        (lambda: ps.zb_h1(2, 4), ZB_H1_2_4),
     ],
-    ids=["1f1b-pp2-m4", "gpipe-pp2-m2", "interleaved-pp2-v2-m2"],
+    ids=["1f1b-pp2-m4", "gpipe-pp2-m2", "interleaved-pp2-v2-m2", "zb-h1-pp2-m4"],
 )
 def test_generated_tables_equal_hand_checked_ones(schedule, expected):
     assert schedule().rows() == expected
@@ -85,6 +105,30 @@ def test_interleaved_tables_are_valid_and_beat_1f1b_bubble(pp, v, m):
     assert s.bubble < ps.one_f_one_b(pp, m).bubble
 
 
+@pytest.mark.parametrize(("pp", "m"), [(2, 4), (3, 5), (4, 4), (4, 8), (8, 16)])
+def test_zb_h1_takes_3m_plus_p_minus_1_ticks_with_1f1b_peak_memory(pp, m):
+    """Qi et al.'s ZB-H1 at equal F, B and W times: a bubble of p - 1 op times, a third of 1F1B's
+    3 (p - 1) (where B is the whole backward, B + W), once m >= p fills the warm-up; no rank keeps
+    more activations than 1F1B's rank 0 (pp micro-batches)."""
+    z, o = ps.zb_h1(pp, m), ps.one_f_one_b(pp, m)
+    assert z.split and not o.split
+    assert len(z.ticks) == z.span == 3 * m + pp - 1
+    assert all(z.busy(r) == 3 * m for r in range(pp))
+    assert o.span >= 3 * (m + pp - 1) > z.span
+    assert z.timed_bubble == pytest.approx((pp - 1) / (3 * m + pp - 1))
+    assert z.timed_bubble < o.timed_bubble
+    assert max(z.in_flight(r) for r in range(pp)) == max(o.in_flight(r) for r in range(pp)) == min(pp, m)
+
+
+def test_zb_h1_prints_its_ops_and_both_bubbles():
+    text = str(ps.make("zbh1", 2, 4))
+    assert "W3" in text.splitlines()[-2]
+    assert text.splitlines()[-1] == (
+        "zb-h1: pp=2 v=1 m=4, 13 ticks, bubble 0.077; timed (F=1, B=1, W=1): 13 units, bubble 0.077"
+    )
+    assert str(ps.one_f_one_b(2, 4)).splitlines()[-1].endswith("timed (F=1, B=2): 18 units, bubble 0.333")
+
+
 def _corrupt(s: ps.Schedule, t: int, **changes) -> ps.Schedule:
     ticks = list(s.ticks)
     ticks[t] = dataclasses.replace(ticks[t], **changes)
@@ -112,6 +156,19 @@ def test_an_op_before_its_dependency_is_rejected():
     ticks[2], ticks[3] = ticks[3], ticks[2]
     with pytest.raises(ps.ScheduleError, match=r"tick 2: rank 0 runs Op\(kind='B', microbatch=0, stage=0\) before"):
         ps.validate(dataclasses.replace(s, ticks=tuple(ticks)))
+
+
+def test_a_w_before_its_b_or_a_missing_w_is_rejected():
+    s = ps.zb_h1(2, 4)
+    # swap ticks 3 and 4: rank 0's W0 would run before its B0, rank 1's B1 before its F1
+    ticks = list(s.ticks)
+    ticks[3], ticks[4] = ticks[4], ticks[3]
+    with pytest.raises(ps.ScheduleError, match=r"tick 3: rank 0 runs Op\(kind='W', microbatch=0, stage=0\) before"):
+        ps.validate(dataclasses.replace(s, ticks=tuple(ticks)))
+    # rank 0's W1 dropped (tick 7): the other Ws make the table split, so W1 must run
+    no_w1 = _corrupt(s, 7, ops=(None, s.ticks[7].ops[1]))
+    with pytest.raises(ps.ScheduleError, match=r"never runs \[Op\(kind='W', microbatch=1, stage=0\)\]"):
+        ps.validate(no_w1)
 
 
 def test_a_missing_op_is_rejected():

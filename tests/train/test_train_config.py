@@ -35,10 +35,6 @@ def cfg(tmp_path, *overrides):
         (["parallel.remat=sometimes"], "parallel.remat must be auto, true or false, got 'sometimes'"),
         (["parallel.comm_dtype=bfloat16"], "parallel.comm_dtype must be param or compute, got 'bfloat16'"),
         (
-            ["parallel.pp=2", "parallel.remat=false"],
-            "parallel.remat=false \\(keep activations\\) does not work with parallel.pp > 1.*set it to auto",
-        ),
-        (
             ["parallel.fsdp=8", "parallel.update_in_backward=true"],
             "parallel.update_in_backward=true cannot clip by optim.max_grad_norm .*set optim.max_grad_norm=0",
         ),
