@@ -20,7 +20,14 @@ def cfg(tmp_path, *overrides, name="run"):
     return tiny_run_config(tmp_path / name, *overrides)
 
 
-@pytest.mark.parametrize("parallel", ["parallel.tp=1", "parallel.tp=2"], ids=["ddp", "engine-dp4xtp2"])
+# ddp is slow: the default layout's resume is bit-exact in the fast run too (tests/train/test_checkpoint_kill.py)
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        pytest.param("parallel.tp=1", id="ddp", marks=pytest.mark.slow),
+        pytest.param("parallel.tp=2", id="engine-dp4xtp2"),
+    ],
+)
 def test_resume_continues_with_the_same_losses(tmp_path, parallel):
     whole = train(cfg(tmp_path, parallel, "run.steps=6", "run.checkpoint_every=-1", name="whole"))
     first = train(cfg(tmp_path, parallel, "run.steps=6", name="split"), stop_after=3)  # stops and saves at step 3
