@@ -71,7 +71,14 @@ def references():
 
 
 @pytest.mark.parametrize(
-    ("reshard_after_forward", "buffers"), [(True, 2), (True, 3), (False, 2)], ids=["reshard-2", "reshard-3", "keep-2"]
+    ("reshard_after_forward", "buffers"),
+    [
+        pytest.param(True, 2, id="reshard-2"),
+        pytest.param(True, 3, id="reshard-3"),
+        # the engine keeping gathered units to backward trains as one device in the fast run too:
+        # tests/strategies/test_odd_models.py's fsdp-no-reshard
+        pytest.param(False, 2, id="keep-2", marks=pytest.mark.slow),
+    ],
 )
 def test_matches_single_device_and_ddp(mesh, references, buffers, reshard_after_forward):
     cfg = FSDP(mesh, buffers=buffers, prefetch=buffers - 1, reshard_after_forward=reshard_after_forward)
@@ -92,6 +99,9 @@ def test_tied_embeddings_match(mesh, references):
     assert_params_close(params, ref_params)
 
 
+# the fast run checks update_in_backward against one device with SGD below (scale-sensitive) and with
+# AdamW through this wrapper in tests/engine/test_engine_keep_activations.py
+@pytest.mark.slow
 def test_update_in_backward_matches_the_ordinary_update(mesh, references):
     data = batches(STEPS)
     losses, params, run, state = run_fsdp(FSDP(mesh, update_in_backward=True, skip_nonfinite=False), CFG, data)
@@ -250,6 +260,9 @@ def test_bad_model_or_batch_raise(mesh):
         FSDP(mesh).prepare(GPT(CFG, nnx.Rngs(0)), optax.adam(1e-3), Units(embed_inputs, head_loss, "layers"), {})
 
 
+# the fast run skips a step over an fsdp axis in tests/strategies/test_skip_nonfinite_on_one_rank.py (a NaN on
+# one rank of dp x fsdp x tp: the engine this wrapper builds)
+@pytest.mark.slow
 def test_skips_a_nonfinite_step(mesh):
     data = batches(3)
     run = FSDP(mesh).prepare(GPT(CFG, nnx.Rngs(0)), optax.adam(1e-3), UNITS, data[0])

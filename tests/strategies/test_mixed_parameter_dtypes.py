@@ -73,7 +73,10 @@ STRATEGIES = {
 }
 
 
-@pytest.mark.parametrize("name", STRATEGIES)
+# HSDP is slow: its fsdp axis is fsdp8's and its dp axis zero1-8's
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow if n == "hsdp2x4" else ()) for n in STRATEGIES]
+)
 def test_bfloat16_parameters_beside_float32_ones_compute_in_bfloat16(one_device, name):
     SEEN.clear()
     run = STRATEGIES[name]().prepare(Mixed(nnx.Rngs(0)), optax.sgd(0.1), Units(embed, head_loss), batches()[0])

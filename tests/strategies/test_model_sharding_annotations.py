@@ -163,7 +163,13 @@ STRATEGIES = {
 }
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
+# ZeRO-1 runs the model in DDP's per-device step and HSDP in FSDP's: both checked in the fast run as ddp and fsdp
+SLOW = {"zero1", "hsdp"}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=pytest.mark.slow if name in SLOW else ()) for name in STRATEGIES]
+)
 def test_annotated_model_trains_like_one_device(name, reference):
     mesh, make = STRATEGIES[name]
     strategy = make(mesh)

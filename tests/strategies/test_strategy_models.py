@@ -70,7 +70,11 @@ def test_fsdp_runs_blocks_that_differ_in_static_attributes(fsdp_mesh):
     assert_params_close(run.params(state), ref_params)
 
 
-@pytest.mark.parametrize(("shape", "names"), [((8,), ("dp",)), ((4, 2), ("dp", "tp"))], ids=["dp8", "dp4xtp2"])
+# dp8 is slow: dp4xtp2 draws the masks per data rank as well, and under tp
+@pytest.mark.parametrize(
+    ("shape", "names"),
+    [pytest.param((8,), ("dp",), id="dp8", marks=pytest.mark.slow), pytest.param((4, 2), ("dp", "tp"), id="dp4xtp2")],
+)
 def test_the_unit_engine_draws_the_masks_and_statistics_of_ddp(shape, names):
     """Dropout in the embed and every block, BatchNorm in every block: the unit engine folds the
     same data rank and step into each RNG stream as DDP and averages the running statistics the

@@ -121,21 +121,26 @@ SEQPAR = {
 }
 
 
-@pytest.mark.parametrize("seqpar", list(SEQPAR))
-def test_replicated_parameters_on_split_or_gathered_activations_get_the_single_device_gradient(seqpar):
+def make_qk_norm_model():
+    return QKNormModel(nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The single-device SGD run every sequence-parallel setting is compared with, trained once."""
+    return train_single_device(make_qk_norm_model, loss_fn, batches(2), optax.sgd(0.3))
+
+
+# without sequence parallelism only (a) applies, and both sequence-parallel runs check it too: slow
+@pytest.mark.parametrize("seqpar", [pytest.param(name, marks=pytest.mark.slow if not name else ()) for name in SEQPAR])
+def test_replicated_parameters_on_split_or_gathered_activations_get_the_single_device_gradient(reference, seqpar):
     """(a) the q/k norm scales act on each rank's heads: their gradient is summed over tp;
     (b) under sequence parallelism the logit scale acts on logits gathered over the sequence (every
     rank computes its whole gradient: not summed) while the final norm acts on the rank's chunk
     (summed). SGD parameters and the gradient norm match one device."""
-    data = batches(2)
-    sgd = optax.sgd(0.3)
-
-    def make():
-        return QKNormModel(nnx.Rngs(0))
-
-    ref_losses, ref_params, ref_norms, _ = train_single_device(make, loss_fn, data, sgd)
+    ref_losses, ref_params, ref_norms, _ = reference
     strategy = Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=PLAN, **SEQPAR[seqpar])
-    losses, params, run, _, metrics = engine_run(strategy, make, UNITS, data, sgd)
+    losses, params, run, _, metrics = engine_run(strategy, make_qk_norm_model, UNITS, batches(2), optax.sgd(0.3))
     if seqpar:  # the batch's leading dimension unless told otherwise
         assert run.sequence_dim == (1 if seqpar == "seqpar-seq" else 0)
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)

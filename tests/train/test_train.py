@@ -20,7 +20,14 @@ def cfg(tmp_path, *overrides, name="run"):
     return tiny_run_config(tmp_path / name, *overrides)
 
 
-@pytest.mark.parametrize("parallel", ["parallel.tp=1", "parallel.tp=2"], ids=["ddp", "engine-dp4xtp2"])
+# ddp is slow: the default layout's resume is bit-exact in the fast run too (tests/train/test_checkpoint_kill.py)
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        pytest.param("parallel.tp=1", id="ddp", marks=pytest.mark.slow),
+        pytest.param("parallel.tp=2", id="engine-dp4xtp2"),
+    ],
+)
 def test_resume_continues_with_the_same_losses(tmp_path, parallel):
     whole = train(cfg(tmp_path, parallel, "run.steps=6", "run.checkpoint_every=-1", name="whole"))
     first = train(cfg(tmp_path, parallel, "run.steps=6", name="split"), stop_after=3)  # stops and saves at step 3
@@ -40,6 +47,9 @@ def test_restore_onto_another_mesh_gives_the_same_next_loss(tmp_path):
     np.testing.assert_allclose(moved[0], reference[3], rtol=1e-5)
 
 
+# two launched processes train as one in the fast run too: tests/train/test_checkpoint_multiprocess.py
+# (ZeRO-1 over 2 x 4 devices, its losses those of one process under dp x tp)
+@pytest.mark.slow
 def test_two_processes_match_one_process_with_eight_devices(tmp_path):
     # 6 steps: the one-process run is the uninterrupted run of test_resume's dp4xtp2 case (compiled once)
     single = train(cfg(tmp_path, "parallel.tp=2", "run.steps=6", "run.checkpoint_every=-1", name="single"))
