@@ -39,7 +39,6 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -54,7 +53,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import checkpoint_overhead  # noqa: E402
 from checkpoint_write import raw_write  # noqa: E402
-from results import append_result  # noqa: E402
+from results import append_result, run_child  # noqa: E402
 from xla_auto import AutoShardedRun  # noqa: E402
 
 from jaxdist.ddp.run import DDP  # noqa: E402
@@ -176,15 +175,7 @@ def spawn(args, one: str, flavor: str, **extra) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", one, "--flavor", flavor]
     cmd += ["--steps", str(args.steps), "--batch", str(args.batch), "--saves", str(args.saves)]
     cmd += [f"--{k}={v}" for k, v in extra.items()] + (["--cpu"] if args.cpu else [])
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timeout after {args.timeout} s"}
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith(RESULT):
-            return json.loads(line[len(RESULT) :])
-    tail = [line for line in done.stderr.splitlines() if line.strip()] or [""]
-    return {"error": f"exit code {done.returncode}: {tail[-1]}"[:200]}
+    return run_child(cmd, args.timeout, RESULT)
 
 
 def strategy_table(results: dict) -> str:

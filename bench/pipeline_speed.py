@@ -29,7 +29,6 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -41,7 +40,7 @@ from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from results import append_result  # noqa: E402
+from results import append_result, run_child  # noqa: E402
 
 from jaxdist.ddp.run import DDP  # noqa: E402
 from jaxdist.models.gpt import FLAVORS, GPT, UNITS, next_token_loss  # noqa: E402
@@ -135,15 +134,7 @@ def child(args) -> None:
 def spawn(args, kind: str, flavor: str, m: int) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", kind, "--flavor", flavor, "--m", str(m)]
     cmd += ["--steps", str(args.steps), "--batch", str(args.batch)] + (["--cpu"] if args.cpu else [])
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timeout after {args.timeout} s"}
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith(RESULT):
-            return json.loads(line[len(RESULT) :])
-    tail = [line for line in done.stderr.splitlines() if line.strip()] or [""]
-    return {"error": f"exit code {done.returncode}: {tail[-1]}"[:200]}
+    return run_child(cmd, args.timeout, RESULT)
 
 
 def row(flavor: str, m: int, name: str, r: dict, stage: dict) -> str:

@@ -1,6 +1,7 @@
 """Append a benchmark's table to bench/RESULTS.md with the date, git commit, device and command."""
 
 import datetime
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -31,3 +32,17 @@ def _git_commit() -> str:
         return commit + (" (with uncommitted changes)" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def run_child(cmd: list[str], timeout: float, marker: str) -> dict:
+    """Run one benchmark configuration in its own process: the JSON after `marker` on its last such
+    stdout line, or {"error": ...} with its exit code and last stderr line (or the timeout)."""
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout} s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(marker):
+            return json.loads(line[len(marker) :])
+    tail = [line for line in done.stderr.splitlines() if line.strip()] or [""]
+    return {"error": f"exit code {done.returncode}: {tail[-1]}"[:200]}
