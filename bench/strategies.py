@@ -44,7 +44,6 @@ if "--cpu" in sys.argv:  # before JAX starts
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -56,7 +55,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from results import append_result  # noqa: E402
+from results import append_result, run_child  # noqa: E402
 from xla_auto import AutoShardedRun  # noqa: E402
 
 from jaxdist.comm import nccl  # noqa: E402
@@ -310,15 +309,7 @@ def spawn(flavor: str, config: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", config, "--models", flavor]
     cmd += ["--steps", str(args.steps), "--per-gpu-batch", str(args.per_gpu_batch)] + (["--cpu"] if args.cpu else [])
     cmd += ["--profile", args.profile] if args.profile else []
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timeout after {args.timeout} s"}
-    for line in reversed(p.stdout.splitlines()):
-        if line.startswith(RESULT):
-            return json.loads(line[len(RESULT) :])
-    tail = [line for line in p.stderr.splitlines() if line.strip()] or [""]
-    return {"error": f"exit code {p.returncode}: {tail[-1]}"[:200]}
+    return run_child(cmd, args.timeout, RESULT)
 
 
 def table(rows: list[tuple[str, str, dict]], baseline: str) -> str:

@@ -62,7 +62,7 @@ def measure(name: str, keys: list[str], steps: int, timeout: int, cpu: bool) -> 
 
 
 def table(results: dict) -> str:
-    lines = ["| configuration | keys | tokens/s | MFU | peak GiB |", "| --- | --- | --- | --- | --- |"]
+    lines = ["| configuration | keys | tokens/s | MFU | GiB in use |", "| --- | --- | --- | --- | --- |"]
     for name, r in results.items():
         keys = " ".join(CONFIGS.get(name, CPU_CONFIGS.get(name, [])))
         if "error" in r:
