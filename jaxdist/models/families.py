@@ -31,7 +31,6 @@ class Family:
     loss: Callable  # next_token_loss(model, batch) -> mean loss: DDP's and the evaluation's
     tp_plan_for: Callable
     check_tp: Callable[[Any, int], None]
-    check_pp: Callable[[Any], None] | None = None  # raises when the pipeline cannot run the config
 
     def flops_per_token(self, cfg) -> float:
         if hasattr(cfg, "flops_per_token"):
@@ -69,7 +68,6 @@ FAMILIES = {
         gemma.next_token_loss,
         gemma.tp_plan_for,
         gemma.check_tp,
-        gemma.check_pp,
     ),
 }
 

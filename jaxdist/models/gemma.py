@@ -34,7 +34,6 @@ __all__ = [
     "next_token_loss",
     "tp_plan_for",
     "check_tp",
-    "check_pp",
 ]
 
 
@@ -226,14 +225,3 @@ def tp_plan_for(cfg: GemmaConfig):
 def check_tp(cfg: GemmaConfig, tp: int) -> None:
     """Raise a one-line ValueError when `cfg` cannot split over `tp` ranks (n_kv_heads, n_heads, d_ff, vocab)."""
     decoder.check_tp(cfg, tp)
-
-
-def check_pp(cfg: GemmaConfig) -> None:
-    """Raise a one-line ValueError when `cfg` mixes local and global layers, which a pipeline cannot run:
-    its stages run one block program, and local and global blocks differ (window and rotary base)."""
-    if len({cfg.is_global(i) for i in range(cfg.n_layers)}) > 1:
-        raise ValueError(
-            "a Gemma with local and global layers does not run in a pipeline (its stages run one block program, "
-            "and local and global blocks differ); make every layer global (sliding_window=None; in the trainer "
-            "model.sliding_window=0) or run without a pipeline axis"
-        )

@@ -45,6 +45,7 @@ import functools
 from jaxdist.engine.run import EngineParts, Parallel, PartsRun, Units
 from jaxdist.pipeline import schedule as ps
 from jaxdist.pipeline.placement import StagePlacement, pp_spec
+from jaxdist.pipeline.stage_ops import stage_variants
 from jaxdist.pipeline.stage_step import ScheduleGrads, micro_avals, tick_plan
 
 
@@ -118,7 +119,6 @@ class PipelineRun(PartsRun):
                 raise ValueError(f"Pipelined: Units({flag}=True) is not supported with a pipeline axis yet")
         self.cfg, self.optimizer, self.units = cfg, optimizer, units
         self.table = cfg.table()
-        self.plan = tick_plan(self.table, keep=cfg.keeps_activations)
         spec_rule = functools.partial(pp_spec, cfg, units.blocks)
         self.parts = parts = EngineParts.build(cfg, model, optimizer, units, batch, spec_rule=spec_rule)
         self.mesh, self.state, self.state_shardings = parts.mesh, parts.state, parts.state_shardings
@@ -129,22 +129,28 @@ class PipelineRun(PartsRun):
                 f"Pipelined: {split.n_blocks} blocks do not split into pp * virtual = {stages} stages of equal "
                 "length; change pp, virtual or the number of blocks"
             )
-        self.placement = StagePlacement(cfg, leaves, block_leaves, units.blocks, split.n_blocks // stages)
+        per_stage = split.n_blocks // stages
+        self.placement = StagePlacement(cfg, leaves, block_leaves, units.blocks, per_stage)
 
         def shapes(i):
-            return [(leaves[k].shape, leaves[k].dtype) for k in block_leaves[i]]
+            return [(leaves[k].shape, leaves[k].dtype, leaves[k].local, leaves[k].tp_dim) for k in block_leaves[i]]
 
         for i in range(split.n_blocks):
-            same = split.block_kinds[i] == split.block_kinds[0] and split.block_trees[i] == split.block_trees[0]
-            if not (same and shapes(i) == shapes(0)):
+            if not (split.block_trees[i] == split.block_trees[0] and shapes(i) == shapes(0)):
                 raise ValueError(
-                    f"Pipelined: block {i} differs from block 0 (code, static attributes or parameter shapes); "
-                    "every rank runs one stage program, so the blocks must be identical"
+                    f"Pipelined: block {i}'s parameters differ from block 0's (names or shapes); the stages "
+                    "exchange weights of one layout, so every block must hold the same parameters"
                 )
+        # blocks may differ in code or static attributes (a Gemma's local and global layers): each stage
+        # runs the code of its variant
+        self.stage_variants, variant_starts = stage_variants(split.block_kinds, per_stage, stages)
+        self.plan = tick_plan(self.table, keep=cfg.keeps_activations, variants=self.stage_variants)
         if not split.outer_state.empty or any(not ms.empty for ms in split.block_states):
             raise ValueError(
                 "Pipelined: models with non-parameter variables (dropout RNG streams, batch statistics) are not "
                 "supported with a pipeline axis yet"
             )
-        grads = ScheduleGrads(cfg, parts, self.table, self.plan, self.placement, keep=cfg.keeps_activations)
+        grads = ScheduleGrads(
+            cfg, parts, self.table, self.plan, self.placement, keep=cfg.keeps_activations, variant_starts=variant_starts
+        )
         self._step, self.step = parts.placed_step(grads)

@@ -72,11 +72,13 @@ def _lifetimes(s: ps.Schedule, keep: bool, op: ps.Op) -> tuple[set, set]:
     return {"res", "cot"} | (set() if keep else {"act"}), set()
 
 
-def tick_plan(s: ps.Schedule, keep: bool = True) -> TickPlan:
+def tick_plan(s: ps.Schedule, keep: bool = True, variants: tuple[int, ...] | None = None) -> TickPlan:
     """The table as the arrays the step indexes by pp rank. A slot of each kind is taken lowest-free
     by what fills it (a received message, the op that stores residuals or W's gradients) and freed by
     the op that reads it last; `keep`: the forward's residuals are kept (else recomputed from the
-    received input, which then lives until the last backward op)."""
+    received input, which then lives until the last backward op); `variants`: each stage's variant
+    (`stage_ops.stage_variants`; default: every stage runs one program)."""
+    variants = variants or (0,) * s.stages
     shape = (len(s.ticks), s.pp)
     arrays = {k: np.zeros(shape, np.int32) for k in TickPlan.__dataclass_fields__ if k != "slots"}
     most = dict.fromkeys(SLOTS, 0)
@@ -99,7 +101,7 @@ def tick_plan(s: ps.Schedule, keep: bool = True) -> TickPlan:
                 position = FIRST if op.stage == 0 else LAST if op.stage == last else MID
                 if position == LAST and op.kind != ps.FORWARD:  # the head ran in the F: B and W as a middle stage's
                     position = MID
-                arrays["branch"][t, r] = branch_code(op.kind, position)
+                arrays["branch"][t, r] = branch_code(op.kind, position, variants[op.stage])
                 arrays["chunk"][t, r] = op.stage // s.pp
                 arrays["microbatch"][t, r] = op.microbatch
                 frees, fills = _lifetimes(s, keep, op)
@@ -218,8 +220,9 @@ class ScheduleGrads:
 
     Args:
       cfg: the pipeline's options; parts: the engine's parts of the run.
-      table, plan: the schedule and its arrays (`tick_plan`, built with the same `keep`);
-      placement: the blocks over pp; keep: keep the forward's residuals (else recompute them).
+      table, plan: the schedule and its arrays (`tick_plan`, built with the same `keep` and variants);
+      placement: the blocks over pp; keep: keep the forward's residuals (else recompute them);
+      variant_starts: each stage variant's first block (`stage_ops.stage_variants`).
     """
 
     def __init__(
@@ -230,9 +233,10 @@ class ScheduleGrads:
         plan: TickPlan,
         placement: StagePlacement,
         keep: bool = True,
+        variant_starts: tuple[int, ...] = (0,),
     ):
         self.cfg, self.parts, self.table, self.plan, self.placement = cfg, parts, table, plan, placement
-        self.keep = keep
+        self.keep, self.variant_starts = keep, variant_starts
 
     def x_aval(self, micro):
         """The activations' aval between stages for micro-batches of avals `micro`."""

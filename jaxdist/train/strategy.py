@@ -167,11 +167,6 @@ def _pipelined(cfg: TrainConfig, mesh, model, optimizer, batch, clip):
 
     p = cfg.parallel
     family = families.family_of(model)
-    if family.check_pp is not None:
-        try:
-            family.check_pp(model.cfg)
-        except ValueError as e:
-            raise ConfigError(f"parallel.pp={p.pp} cannot run this model: {e}") from None
     for key, off in (("update_in_backward", False), ("sequence_parallel", False)):
         if getattr(p, key) != off:
             raise ConfigError(f"parallel.{key} does not work with parallel.pp > 1 yet; set it to {str(off).lower()}")

@@ -38,8 +38,13 @@ def cfg(out_dir, *overrides):
 
 @pytest.mark.parametrize(
     ("family", "layout", "model_class"),
-    [("llama", ["parallel.tp=2"], "Llama"), ("gemma", ["parallel.fsdp=2"], "Gemma")],
-    ids=["llama-dp4xtp2", "gemma-hsdp4x2"],
+    [
+        ("llama", ["parallel.tp=2"], "Llama"),
+        ("gemma", ["parallel.fsdp=2"], "Gemma"),
+        # a local and a global layer, one per stage: each stage runs its own layer's kind
+        pytest.param("gemma", ["parallel.pp=2", "parallel.microbatches=2"], "Gemma", marks=pytest.mark.slow),
+    ],
+    ids=["llama-dp4xtp2", "gemma-hsdp4x2", "gemma-pp2xdp4"],
 )
 def test_a_family_trains_evaluates_samples_and_its_checkpoint_samples_again(
     tmp_path, capsys, family, layout, model_class
@@ -111,8 +116,8 @@ def test_settings_the_family_cannot_take_are_config_errors(overrides, message):
             r"parallel.tp=2 cannot split this model: model.n_kv_heads=1 is not divisible by tp=2",
         ),
         (
-            ["model.family=gemma", "parallel.pp=2", "parallel.microbatches=2"],
-            r"parallel.pp=2 cannot run this model: a Gemma with local and global layers",
+            ["model.family=gemma", "model.n_layers=3", "parallel.pp=2", "parallel.microbatches=2"],
+            r"parallel.pp=2: Pipelined: 3 blocks do not split into pp \* virtual = 2 stages of equal length",
         ),
     ],
 )
