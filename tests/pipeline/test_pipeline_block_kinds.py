@@ -75,6 +75,16 @@ def test_each_stage_runs_its_own_layers_kinds(reference, schedule, virtual, rema
     assert_same_training(train(run, BATCHES), reference)
 
 
+@pytest.mark.slow
+def test_stage_kinds_with_tensor_parallelism(reference):
+    """pp x dp x tp with the Gemma's TP plan: each stage's variant on its tp pieces."""
+    mesh = cpu_mesh((2, 2, 2), ("pp", "dp", "tp"))
+    strategy = Pipelined(mesh, plan=gemma.tp_plan_for(CFG), microbatches=2)
+    run = strategy.prepare(make(), optax.sgd(0.5), gemma.UNITS, BATCHES[0])
+    assert run.stage_variants == (0, 1)
+    assert_same_training(train(run, BATCHES), reference)
+
+
 def test_blocks_with_different_parameters_are_refused_by_name():
     """Blocks must hold the same parameters (the stages exchange one weight layout): a Gemma whose
     blocks differ in shape cannot be told apart by kind alone, and the error names the block."""
