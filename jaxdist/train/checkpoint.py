@@ -78,6 +78,25 @@ CHUNK_BYTES = 16 << 20  # one CRC-32 per piece, so the pieces of one large file 
 DATA_FILE_BYTES = 64 << 20
 
 
+def _registry() -> dict:
+    registry = _type_handlers()
+    return {} if registry is None else {"type_handler_registry": registry}
+
+
+def _type_handlers():
+    """Orbax's standard type handlers, but arrays written without their `_sharding` file: orbax writes
+    it one array after another (a GPT-124M train state has ~450), and a restore reads onto the target's
+    shardings, never the saved ones. None (orbax's defaults) if this orbax keeps its parts elsewhere."""
+    try:
+        from orbax.checkpoint._src.metadata.array_metadata_store import Store
+    except ImportError:  # pragma: no cover (another orbax layout: its default handlers, sharding file included)
+        return None
+    arrays = ocp.type_handlers.ArrayHandler(array_metadata_store=Store(), enable_write_sharding_file=False)
+    standard = (int, float, bytes, np.number, np.ndarray, str, type(ocp.PLACEHOLDER))
+    handlers = [(jax.Array, arrays)] + [(ty, ocp.type_handlers.get_type_handler(ty)) for ty in standard]
+    return ocp.type_handlers.create_type_handler_registry(*handlers)
+
+
 def _sum_workers() -> int:
     try:
         cpus = len(os.sched_getaffinity(0))  # the CPUs this process may use (containers, taskset)
@@ -217,7 +236,7 @@ class Checkpoints:
         # read_only: a reader of a run another process may be training (sample, export) changes nothing in it
         self.read_only = read_only
         handlers = {
-            "state": ocp.PyTreeCheckpointHandler(use_compression=compress, use_zarr3=True),
+            "state": ocp.PyTreeCheckpointHandler(use_compression=compress, use_zarr3=True, **_registry()),
             "meta": ocp.JsonCheckpointHandler(),
         }
         self._quiet = DropOrbaxLogs()
