@@ -29,8 +29,9 @@ def host_memory_kind(device) -> str | None:
 
 def start_host_copy(tree):
     """`tree` with every jax.Array replaced by a copy in host memory whose transfer has been enqueued
-    (not waited for); other leaves are returned as they are. Arrays on a backend without host memory
-    kinds are copied on their devices (costing device memory)."""
+    (not waited for), a buffer of its own also where the array is in host memory already; other
+    leaves are returned as they are. Arrays on a backend without host memory kinds are copied on
+    their devices (costing device memory)."""
     return jax.tree.map(lambda x: _start_copy(x) if isinstance(x, jax.Array) else x, tree)
 
 
@@ -38,14 +39,14 @@ def _start_copy(x: jax.Array) -> jax.Array:
     device = next(iter(x.sharding.device_set))
     kind = host_memory_kind(device)
     if kind is None:
-        return x.copy()  # an asynchronous copy on the device: a buffer the next step cannot donate
+        return x.copy()  # on the device: a buffer the next step cannot donate
     if x.is_fully_addressable:
         if isinstance(x.sharding, jax.sharding.SingleDeviceSharding) or len(x.sharding.device_set) == 1:
-            return jax.device_put(x, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
+            return jax.device_put(x, jax.sharding.SingleDeviceSharding(device, memory_kind=kind), may_alias=False)
         if isinstance(x.sharding, jax.sharding.NamedSharding):
             return _copy_one_replica(x, x.sharding, kind)
     # several processes (each copies the shards it holds) or another kind of sharding: every local shard
-    return jax.device_put(x, x.sharding.with_memory_kind(kind))
+    return jax.device_put(x, x.sharding.with_memory_kind(kind), may_alias=False)
 
 
 def _copy_one_replica(x: jax.Array, sharding: jax.sharding.NamedSharding, kind: str) -> jax.Array:
@@ -58,7 +59,8 @@ def _copy_one_replica(x: jax.Array, sharding: jax.sharding.NamedSharding, kind: 
     target = jax.sharding.NamedSharding(sub_mesh, spec, memory_kind=kind)
     shards = {s.device: s.data for s in x.addressable_shards}
     copies = [
-        jax.device_put(shards[d], jax.sharding.SingleDeviceSharding(d, memory_kind=kind)) for d in sub_mesh.devices.flat
+        jax.device_put(shards[d], jax.sharding.SingleDeviceSharding(d, memory_kind=kind), may_alias=False)
+        for d in sub_mesh.devices.flat
     ]
     return jax.make_array_from_single_device_arrays(x.shape, target, copies)
 

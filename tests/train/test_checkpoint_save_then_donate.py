@@ -70,3 +70,12 @@ def test_the_host_copy_holds_one_replica_in_host_memory():
     assert kind is not None and copy["x"].sharding.memory_kind == kind
     assert len(copy["x"].addressable_shards) == 4  # one per slice along "b", not 8
     np.testing.assert_array_equal(np.asarray(copy["x"]), np.asarray(x))
+
+
+def test_an_array_already_in_host_memory_is_copied_too():
+    """A state kept in host memory (offloaded) is donated like any other: the copy is a buffer of its own."""
+    kind = host_memory_kind(jax.devices()[0])
+    x = jax.device_put(jnp.arange(1024.0), jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind))
+    copy = start_host_copy(x)
+    assert copy.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(np.asarray(copy), np.arange(1024.0))
