@@ -36,7 +36,7 @@ def start_host_copy(tree):
 
 
 def _start_copy(x: jax.Array) -> jax.Array:
-    device = next(iter(x.sharding.device_set))
+    device = next(iter(x.sharding.addressable_devices or x.sharding.device_set))  # one of this process's
     kind = host_memory_kind(device)
     if kind is None:
         return x.copy()  # on the device: a buffer the next step cannot donate
