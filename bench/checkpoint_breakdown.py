@@ -1,14 +1,18 @@
-"""Where a checkpoint save's time goes: the blocking copy off the devices, orbax's writes, the checksum pass.
+"""Where a checkpoint save's time goes: the call the loop waits for, orbax's writes, the checksum pass,
+side by side with the raw write bandwidth of the same directory (the same bytes, fsync'd, 1 and 8 threads).
 
 A state of GPT's size (parameters and two Adam moments, float32, replicated on every visible
 device as DDP holds them) is saved `--saves` times through `jaxdist.train.checkpoint.Checkpoints`,
 each save waited for, and each phase timed:
 
-* `save()`: what the training loop waits for when no save is in flight (orbax's device-to-host copy);
-* `write`: orbax's background writes (tensorstore), from `save()` returning to orbax finishing;
-* `checksum`: reading the files back for their CRC-32 (`_file_sums`), also in the background.
+* `save()`: what the training loop waits for when no save is in flight (enqueuing the copies into host
+  memory; with several processes, the device-to-host copy itself);
+* `background`: from `save()` returning to `wait()` returning: the copies, orbax's writes (tensorstore,
+  fsync'd) and the checksum pass; its GiB/s is the state's size over it;
+* `copy`, `write`, `checksum`: the parts of `background` (`Checkpoints.timings`): waiting for the copies
+  into host memory, orbax's writes, reading the files back for their CRC-32.
 
-A loop that saves every k steps keeps up when write + checksum fit in k steps; the next save waits
+A loop that saves every k steps keeps up when the background part fits in k steps; the next save waits
 for the rest. `--no-sync` also times writes without tensorstore's fsync (`file_io_sync`).
 
     python bench/checkpoint_breakdown.py --params 124e6 [--saves 4] [--dir DIR] [--no-sync]
@@ -28,6 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from checkpoint_write import raw_write  # noqa: E402
 from results import append_result  # noqa: E402
 
 from jaxdist.train import checkpoint as checkpoint_lib  # noqa: E402
@@ -42,31 +47,28 @@ def gpt_like_state(params: float, leaves: int = 48) -> dict:
 
 
 def time_saves(state: dict, directory: Path, saves: int) -> dict[str, list[float]]:
-    times = {"save()": [], "write": [], "checksum": []}
-    original = checkpoint_lib._file_sums
-
-    def timed_sums(step_dir):
-        start = time.perf_counter()
-        try:
-            return original(step_dir)
-        finally:
-            times["checksum"].append(time.perf_counter() - start)
-
-    checkpoint_lib._file_sums = timed_sums
+    times = {"save()": [], "background": [], "copy": [], "write": [], "checksum": []}
     ckpt = checkpoint_lib.Checkpoints(directory, keep=2)
     try:
         for step in range(1, saves + 1):
             start = time.perf_counter()
             ckpt.save(step, state, {"step": step})
             returned = time.perf_counter()
-            ckpt.manager.wait_until_finished()
-            times["save()"].append(returned - start)
-            times["write"].append(time.perf_counter() - returned)
             ckpt.wait()
+            times["save()"].append(returned - start)
+            times["background"].append(time.perf_counter() - returned)
+            for part in ("copy", "write", "checksum"):
+                times[part].append(ckpt.timings[f"{part}_s"])
     finally:
         ckpt.close()
-        checkpoint_lib._file_sums = original
     return {name: values[1:] or values for name, values in times.items()}  # the first save warms up
+
+
+def raw_bandwidth(state: dict, directory: Path) -> dict[int, float]:
+    """GiB/s of writing the state's bytes (one replica of each array) with fsync, from 1 and 8 threads."""
+    host = [np.asarray(x) for x in jax.tree.leaves(state)]
+    gib = sum(a.nbytes for a in host) / 2**30
+    return {t: gib / statistics.median(raw_write(directory / f"raw{t}", host, t) for _ in range(3)) for t in (1, 8)}
 
 
 def set_file_io_sync(enabled: bool) -> None:
@@ -87,15 +89,22 @@ def main():
     state = gpt_like_state(args.params)
     gib = 3 * 4 * args.params / 2**30
     base = Path(args.dir or tempfile.mkdtemp(prefix="jaxdist-ckpt-breakdown-"))
+    raw = raw_bandwidth(state, base)
     variants = {"fsync (tensorstore default)": True, **({"no fsync": False} if args.no_sync else {})}
-    lines = ["| writes | save() s | write s | checksum s | write GiB/s |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        f"raw write, fsync'd: 1 thread {raw[1]:.2f} GiB/s, 8 threads {raw[8]:.2f} GiB/s",
+        "",
+        "| writes | save() s | background s | copy s | write s | checksum s | background GiB/s | vs raw 8 threads |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, sync in variants.items():
         set_file_io_sync(sync)
         times = time_saves(state, base / name.split()[0], args.saves)
         med = {k: statistics.median(v) for k, v in times.items()}
-        lines.append(
-            f"| {name} | {med['save()']:.3f} | {med['write']:.3f} | {med['checksum']:.3f} | {gib / med['write']:.2f} |"
-        )
+        rate = gib / med["background"]
+        cells = [f"{med[k]:.3f}" for k in ("save()", "background", "copy", "write", "checksum")]
+        cells += [f"{rate:.2f}", f"{rate / raw[8]:.2f}"]
+        lines.append(f"| {name} | {' | '.join(cells)} |")
         print(name, {k: [round(x, 3) for x in v] for k, v in times.items()}, flush=True)
     set_file_io_sync(True)
     table = "\n".join(lines)

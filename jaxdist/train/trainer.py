@@ -309,7 +309,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
                     "mfu": mfu,
                     "mem_gb": mem,
                     "skipped": bool(_host(metrics["skipped"])) if "skipped" in metrics else False,
-                    # the previous save still writing, then the copy off the devices (in this window's time)
+                    # the previous save still writing, then enqueuing the host copies (in this window's time)
                     "checkpoint_s": held["window"] if ckpt is not None and cfg.run.checkpoint_every > 0 else None,
                     "includes_compile": True if step == start else None,  # its tokens_per_s is not the run's pace
                 }

@@ -1,5 +1,6 @@
-"""Checkpoints written in orbax's default form (zarr v2 arrays, as jaxdist wrote before its saves took zarr v3
-arrays in 64 MiB data files) restore, and the new form round-trips, values and dtypes exact."""
+"""Checkpoints written in orbax's default form (zarr v2 arrays and a `_sharding` file, as jaxdist wrote before
+its saves took zarr v3 arrays in 64 MiB data files without the sharding file) restore, and the new form
+round-trips, values and dtypes exact."""
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,8 @@ def test_checkpoint_restores_exactly_in_either_form(tmp_path, form):
     else:
         ckpt.save(3, values, {"step": 3})
         ckpt.wait()
+    written = {p.name for p in (ckpt.directory / "3" / "state").iterdir()}
+    assert ("_sharding" in written) == (form == "orbax-default")  # a restore reads onto the target's shardings
     try:
         step, restored = ckpt.newest_readable(lambda s: ckpt.restore(s, target(values)))
         assert step == 3 and ckpt.meta(3)["step"] == 3

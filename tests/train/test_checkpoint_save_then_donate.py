@@ -1,0 +1,81 @@
+"""`Checkpoints.save` returns once the copies into host memory are enqueued, before they are done: a
+step that donates and overwrites the very arrays handed to `save` right after must still leave the
+checkpoint holding the values of the moment `save` was called, bit for bit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdist.train.checkpoint import Checkpoints
+from jaxdist.train.host_copy import host_memory_kind, start_host_copy
+
+SIZE = 1 << 22  # 16 MiB per float32 array: copies long enough to be in flight when the step runs
+
+
+def _state(sharding) -> dict:
+    def make(seed):
+        return jax.random.normal(jax.random.key(seed), (SIZE // 1024, 1024), jnp.float32)
+
+    scalar = sharding if isinstance(sharding, jax.sharding.SingleDeviceSharding) else sharding.update(spec=jax.P())
+    shardings = {f"w{i}": sharding for i in range(3)} | {"step": scalar}
+    make_all = jax.jit(lambda: {f"w{i}": make(i) for i in range(3)} | {"step": jnp.int32(7)}, out_shardings=shardings)
+    return jax.block_until_ready(make_all())
+
+
+@jax.jit
+def _overwrite(tree):
+    return jax.tree.map(lambda a: -a - 1, tree)
+
+
+_overwrite_donating = jax.jit(_overwrite.__wrapped__, donate_argnums=0)
+
+
+def _shardings():
+    devices = np.array(jax.devices())
+    mesh = jax.sharding.Mesh(devices.reshape(2, 4), ("a", "b"))
+    return {
+        "one device, the run's own arrays": jax.sharding.SingleDeviceSharding(devices[0]),
+        "replicated on 8 devices": jax.sharding.NamedSharding(mesh, jax.P()),
+        "split over one axis, replicated over the other": jax.sharding.NamedSharding(mesh, jax.P(None, "b")),
+    }
+
+
+@pytest.mark.parametrize("name", list(_shardings()))
+def test_a_save_holds_the_values_of_the_call_when_the_next_step_donates_them(tmp_path, name):
+    sharding = _shardings()[name]
+    state = _state(sharding)
+    expected = jax.tree.map(np.array, state)
+    ckpt = Checkpoints(tmp_path, keep=1)
+    passed = state
+    ckpt.save(1, passed, {})
+    state = _overwrite_donating(passed)  # donates the arrays passed to `save` (identity canonical form)
+    assert all(x.is_deleted() for x in jax.tree.leaves(passed))
+    jax.block_until_ready(state)
+    ckpt.wait()
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    restored = ckpt.restore(1, target)
+    ckpt.close()
+    for key in expected:
+        np.testing.assert_array_equal(np.asarray(restored[key]), expected[key], strict=True)
+        assert not np.array_equal(np.asarray(state[key]), expected[key])  # the step did overwrite them
+
+
+def test_the_host_copy_holds_one_replica_in_host_memory():
+    sharding = _shardings()["split over one axis, replicated over the other"]
+    x = jax.device_put(jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16), sharding)
+    copy = start_host_copy({"x": x, "n": 3})
+    assert copy["n"] == 3
+    kind = host_memory_kind(jax.devices()[0])
+    assert kind is not None and copy["x"].sharding.memory_kind == kind
+    assert len(copy["x"].addressable_shards) == 4  # one per slice along "b", not 8
+    np.testing.assert_array_equal(np.asarray(copy["x"]), np.asarray(x))
+
+
+def test_an_array_already_in_host_memory_is_copied_too():
+    """A state kept in host memory (offloaded) is donated like any other: the copy is a buffer of its own."""
+    kind = host_memory_kind(jax.devices()[0])
+    x = jax.device_put(jnp.arange(1024.0), jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind))
+    copy = start_host_copy(x)
+    assert copy.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(np.asarray(copy), np.arange(1024.0))
