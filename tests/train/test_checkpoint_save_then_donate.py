@@ -32,20 +32,30 @@ _overwrite_donating = jax.jit(_overwrite.__wrapped__, donate_argnums=0)
 
 
 def _shardings():
-    # one device of the default backend (on a GPU runner: a real device-to-host DMA); the meshes on 8
-    # devices of the default backend where it has them, else on the 8 simulated CPU devices
-    devices = np.array(jax.devices() if len(jax.devices()) >= 8 else jax.devices("cpu"))[:8]
-    mesh = jax.sharding.Mesh(devices.reshape(2, 4), ("a", "b"))
-    return {
-        "one device, the run's own arrays": jax.sharding.SingleDeviceSharding(jax.devices()[0]),
-        "replicated on 8 devices": jax.sharding.NamedSharding(mesh, jax.P()),
-        "split over one axis, replicated over the other": jax.sharding.NamedSharding(mesh, jax.P(None, "b")),
-    }
+    # one device of the default backend (on a GPU runner: a real device-to-host DMA); the meshes need 8
+    # devices of the default backend (a GPU runner's simulated CPU devices are not: a jit of theirs there
+    # does not donate, so the case would check nothing)
+    out = {"one device, the run's own arrays": jax.sharding.SingleDeviceSharding(jax.devices()[0])}
+    if len(jax.devices()) >= 8:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+        out["replicated on 8 devices"] = jax.sharding.NamedSharding(mesh, jax.P())
+        out["split over one axis, replicated over the other"] = jax.sharding.NamedSharding(mesh, jax.P(None, "b"))
+    return out
 
 
-@pytest.mark.parametrize("name", list(_shardings()))
+CASES = [
+    "one device, the run's own arrays",
+    "replicated on 8 devices",
+    "split over one axis, replicated over the other",
+]
+
+
+@pytest.mark.parametrize("name", CASES)
 def test_a_save_holds_the_values_of_the_call_when_the_next_step_donates_them(tmp_path, name):
-    sharding = _shardings()[name]
+    shardings = _shardings()
+    if name not in shardings:
+        pytest.skip(f"needs 8 devices of the default backend, found {len(jax.devices())}")
+    sharding = shardings[name]
     state = _state(sharding)
     expected = jax.tree.map(np.array, state)
     ckpt = Checkpoints(tmp_path, keep=1)
