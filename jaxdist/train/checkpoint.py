@@ -89,9 +89,10 @@ def _type_handlers():
     shardings, never the saved ones. None (orbax's defaults) if this orbax keeps its parts elsewhere."""
     try:
         from orbax.checkpoint._src.metadata.array_metadata_store import Store
-    except ImportError:  # pragma: no cover (another orbax layout: its default handlers, sharding file included)
+
+        arrays = ocp.type_handlers.ArrayHandler(array_metadata_store=Store(), enable_write_sharding_file=False)
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover (another orbax: its default handlers)
         return None
-    arrays = ocp.type_handlers.ArrayHandler(array_metadata_store=Store(), enable_write_sharding_file=False)
     standard = (int, float, bytes, np.number, np.ndarray, str, type(ocp.PLACEHOLDER))
     handlers = [(jax.Array, arrays)] + [(ty, ocp.type_handlers.get_type_handler(ty)) for ty in standard]
     return ocp.type_handlers.create_type_handler_registry(*handlers)
@@ -270,19 +271,27 @@ class Checkpoints:
         CheckpointError, here or at the next `save` / `wait`."""
         self.wait()
         self._quiet.attach()
-        self.pending = step
-        args = ocp.args.Composite(
-            state=ocp.args.PyTreeSave(start_host_copy(canonical), ocdbt_target_data_file_size=DATA_FILE_BYTES),
-            meta=ocp.args.JsonSave(meta),
-        )
+        # one process: copies of one replica, written from the background; several: orbax's own transfer
+        # (of the replica slices it writes), which it finishes before its save returns
         in_background = jax.process_count() == 1
-        if not in_background:
-            try:
+        self.pending = step
+        try:
+            state = start_host_copy(canonical) if in_background else canonical
+            args = ocp.args.Composite(
+                state=ocp.args.PyTreeSave(state, ocdbt_target_data_file_size=DATA_FILE_BYTES),
+                meta=ocp.args.JsonSave(meta),
+            )
+            if not in_background:
                 self.manager.save(step, args=args, force=True)
-            except Exception as e:
-                self._failed(e)
+        except Exception as e:
+            self._failed(e)
+        except BaseException:  # an interrupt before any write started: nothing is in flight
+            self.pending = None
+            raise
+        # not a daemon: orbax's threads, started from this one, inherit it, and an exit must let a save
+        # in flight finish (an unfinished one is never renamed into place, but it would be lost)
         self._finishing = threading.Thread(
-            target=self._finish, args=(step, args if in_background else None), name="jaxdist-checkpoint", daemon=True
+            target=self._finish, args=(step, args if in_background else None), name="jaxdist-checkpoint"
         )
         self._finishing.start()
 

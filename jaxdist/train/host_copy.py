@@ -7,6 +7,8 @@ donating computation), so the copies hold the values of the moment they were sta
 
 Only one replica of each shard is copied when the whole array is in this process: a replicated
 DDP state on 8 GPUs takes one copy of host memory, not 8 (a checkpoint writes one replica anyway).
+`Checkpoints` uses it in single-process runs only; with several processes orbax transfers the
+replica slices it writes itself.
 """
 
 from __future__ import annotations

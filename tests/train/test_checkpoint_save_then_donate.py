@@ -91,3 +91,21 @@ def test_an_array_already_in_host_memory_is_copied_too():
     copy = start_host_copy(x)
     assert copy.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
     np.testing.assert_array_equal(np.asarray(copy), np.arange(1024.0))
+
+
+@pytest.mark.parametrize("error", [RuntimeError("RESOURCE_EXHAUSTED: pinned host memory"), KeyboardInterrupt()])
+def test_a_save_whose_copies_cannot_start_leaves_nothing_in_flight(tmp_path, monkeypatch, error):
+    """A failure to start the host copies (out of pinned memory, a second Ctrl-C) is not a save in
+    flight: `latest()` does not report the step (the trainer's final save would skip it), and a failure
+    is the one-line CheckpointError."""
+    from jaxdist.train import checkpoint as checkpoint_lib
+
+    def fail(tree):
+        raise error
+
+    monkeypatch.setattr(checkpoint_lib, "start_host_copy", fail)
+    ckpt = Checkpoints(tmp_path, keep=1)
+    expected = checkpoint_lib.CheckpointError if isinstance(error, Exception) else KeyboardInterrupt
+    with pytest.raises(expected):
+        ckpt.save(3, {"w": jnp.ones(4)}, {})
+    assert ckpt.pending is None and ckpt.latest() is None
