@@ -34,10 +34,13 @@ def exported(tmp_path_factory):
 
 
 def _saved_params(run_dir: Path) -> dict:
-    """The parameters of the run's checkpoint of step 1, read with orbax alone."""
+    """The parameters of the run's checkpoint of step 1, read with orbax alone as host arrays (a run's
+    checkpoint records no shardings: a reader names where the arrays go, here NumPy)."""
     state = (run_dir / "checkpoints" / "1" / "state").absolute()
     with ocp.PyTreeCheckpointer() as reader:
-        return reader.restore(state)["params"]
+        saved = reader.metadata(state).item_metadata.tree
+        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
+        return reader.restore(state, args=ocp.args.PyTreeRestore(item=saved, restore_args=as_numpy))["params"]
 
 
 @pytest.mark.filterwarnings("ignore:Sharding info not provided")
