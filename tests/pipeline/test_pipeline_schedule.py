@@ -135,6 +135,12 @@ def _corrupt(s: ps.Schedule, t: int, **changes) -> ps.Schedule:
     return dataclasses.replace(s, ticks=tuple(ticks))
 
 
+def _swapped(s: ps.Schedule, a: int, b: int) -> ps.Schedule:
+    ticks = list(s.ticks)
+    ticks[a], ticks[b] = ticks[b], ticks[a]
+    return dataclasses.replace(s, ticks=tuple(ticks))
+
+
 def test_a_send_without_its_receive_is_rejected():
     s = ps.one_f_one_b(2, 4)
     bad = _corrupt(s, 1, recvs=(None, None))  # rank 0's activation of micro-batch 1 goes nowhere
@@ -152,19 +158,15 @@ def test_a_receive_without_its_send_is_rejected():
 def test_an_op_before_its_dependency_is_rejected():
     s = ps.one_f_one_b(2, 4)
     # swap ticks 2 and 3: rank 0's B0 would run before rank 1's B0 sent its gradient
-    ticks = list(s.ticks)
-    ticks[2], ticks[3] = ticks[3], ticks[2]
     with pytest.raises(ps.ScheduleError, match=r"tick 2: rank 0 runs Op\(kind='B', microbatch=0, stage=0\) before"):
-        ps.validate(dataclasses.replace(s, ticks=tuple(ticks)))
+        ps.validate(_swapped(s, 2, 3))
 
 
 def test_a_w_before_its_b_or_a_missing_w_is_rejected():
     s = ps.zb_h1(2, 4)
     # swap ticks 3 and 4: rank 0's W0 would run before its B0, rank 1's B1 before its F1
-    ticks = list(s.ticks)
-    ticks[3], ticks[4] = ticks[4], ticks[3]
     with pytest.raises(ps.ScheduleError, match=r"tick 3: rank 0 runs Op\(kind='W', microbatch=0, stage=0\) before"):
-        ps.validate(dataclasses.replace(s, ticks=tuple(ticks)))
+        ps.validate(_swapped(s, 3, 4))
     # rank 0's W1 dropped (tick 7): the other Ws make the table split, so W1 must run
     no_w1 = _corrupt(s, 7, ops=(None, s.ticks[7].ops[1]))
     with pytest.raises(ps.ScheduleError, match=r"never runs \[Op\(kind='W', microbatch=1, stage=0\)\]"):
