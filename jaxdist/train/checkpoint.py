@@ -53,6 +53,7 @@ try:  # ISA-L's CRC-32: the same sums as zlib's, ~5x faster (18 vs 3.2 GiB/s on 
 except ImportError:  # pragma: no cover (isal is a dependency; a platform without its wheels uses zlib's)
     from zlib import crc32
 
+from jaxdist.train.array_files import ArraysHandler, ArraysRestore, ArraysSave, read_tree
 from jaxdist.train.config import ConfigError
 from jaxdist.train.host_copy import start_host_copy, wait_for_host_copy
 from jaxdist.train.report import disk_full, warn, write_problem
@@ -125,19 +126,28 @@ def _piece_crc(path: Path, offset: int, chunk_bytes: int) -> int:
     return crc32(view[:n])  # the read and crc32 release the GIL: pieces are summed in parallel
 
 
-def _file_sums(step_dir: Path, chunk_bytes: int | None = None) -> dict:
+def _file_sums(step_dir: Path, chunk_bytes: int | None = None, known: dict | None = None) -> dict:
     """`{"chunk_bytes": C, "files": {name: [size, [CRC-32 of each C-byte piece]]}}` of the files in `step_dir`,
-    the pieces summed on several threads."""
+    the pieces summed on several threads; `known`: the sums of some files already (summed as they were
+    written, in pieces of `chunk_bytes`), taken as they are where the file still has that size."""
     chunk_bytes = chunk_bytes or CHUNK_BYTES
     sizes = {
         p: p.stat().st_size
         for p in sorted(step_dir.rglob("*"))
         if p.is_file() and not p.name.startswith((CHECKSUMS, CHECKSUMS_V1))
     }
-    pieces = [(p, offset) for p, size in sizes.items() for offset in range(0, max(size, 1), chunk_bytes)]
+    files = {str(p.relative_to(step_dir)): [size, []] for p, size in sizes.items()}
+    for name, (size, crcs) in (known or {}).items():
+        if name in files and files[name][0] == size:
+            files[name][1] = list(crcs)
+    pieces = [
+        (p, offset)
+        for p, size in sizes.items()
+        if not files[str(p.relative_to(step_dir))][1]
+        for offset in range(0, max(size, 1), chunk_bytes)
+    ]
     with ThreadPoolExecutor(max_workers=_sum_workers(), thread_name_prefix="jaxdist-crc") as pool:
         crcs = list(pool.map(lambda piece: _piece_crc(*piece, chunk_bytes), pieces))
-    files = {str(p.relative_to(step_dir)): [size, []] for p, size in sizes.items()}
     for (p, _), crc in zip(pieces, crcs, strict=True):
         files[str(p.relative_to(step_dir))][1].append(crc)
     return {"chunk_bytes": chunk_bytes, "files": files}
@@ -236,7 +246,12 @@ class Checkpoints:
         self.unreadable_dir = self.directory.with_name("checkpoints.unreadable")
         # read_only: a reader of a run another process may be training (sample, export) changes nothing in it
         self.read_only = read_only
+        # arrays: what saves write (`array_files`); state: orbax's form, which compressed saves write and
+        # checkpoints of earlier versions hold (both restore)
+        self.compress = compress
+        self.arrays = ArraysHandler()
         handlers = {
+            "arrays": self.arrays,
             "state": ocp.PyTreeCheckpointHandler(use_compression=compress, use_zarr3=True, **_registry()),
             "meta": ocp.JsonCheckpointHandler(),
         }
@@ -271,16 +286,19 @@ class Checkpoints:
         CheckpointError, here or at the next `save` / `wait`."""
         self.wait()
         self._quiet.attach()
-        # one process: copies of one replica, written from the background; several: orbax's own transfer
-        # (of the replica slices it writes), which it finishes before its save returns
+        # one process: started from the background; several: started here (orbax's barriers are collectives
+        # over the devices). Compressed saves of several processes let orbax transfer the replica slices it
+        # writes itself, which it finishes before its save returns.
         in_background = jax.process_count() == 1
         self.pending = step
+        self.arrays.written = None  # what this save's writer records (none if it fails before writing)
         try:
-            state = start_host_copy(canonical) if in_background else canonical
-            args = ocp.args.Composite(
-                state=ocp.args.PyTreeSave(state, ocdbt_target_data_file_size=DATA_FILE_BYTES),
-                meta=ocp.args.JsonSave(meta),
-            )
+            state = start_host_copy(canonical) if in_background or not self.compress else canonical
+            if self.compress:
+                item = {"state": ocp.args.PyTreeSave(state, ocdbt_target_data_file_size=DATA_FILE_BYTES)}
+            else:
+                item = {"arrays": ArraysSave(state, chunk_bytes=CHUNK_BYTES)}
+            args = ocp.args.Composite(**item, meta=ocp.args.JsonSave(meta))
             if not in_background:
                 self.manager.save(step, args=args, force=True)
         except Exception as e:
@@ -300,18 +318,20 @@ class Checkpoints:
         record its checksums. `timings` gets the seconds of each part."""
         try:
             began = time.perf_counter()
-            if args is not None:
+            if args is not None and "state" in args:
                 wait_for_host_copy(args["state"].item)  # the copies into host memory (timed apart)
-                copied = time.perf_counter()
+            copied = time.perf_counter()
+            if args is not None:
                 self.manager.save(step, args=args, force=True)
-            else:
-                copied = began
             self.manager.wait_until_finished()
             written = time.perf_counter()
             if jax.process_index() == 0:
                 self._write_checksums(step)
             done = time.perf_counter()
             self.timings = {"copy_s": copied - began, "write_s": written - copied, "checksum_s": done - written}
+            if self.arrays.written is not None:  # the array writer's own split: waiting for the copies, writing
+                split = self.arrays.written
+                self.timings.update(copy_s=self.timings["copy_s"] + split.copy_s, write_s=split.write_s)
         except BaseException as e:  # noqa: BLE001 (raised in the caller's thread by `wait`)
             self._finish_error = e
 
@@ -358,7 +378,11 @@ class Checkpoints:
     def _write_checksums(self, step: int) -> None:
         step_dir = self.directory / str(step)
         tmp = step_dir / f"{CHECKSUMS}.tmp"
-        tmp.write_text(json.dumps(_file_sums(step_dir)))
+        # this process's array file was summed while it was written; the other files are read back
+        known = {}
+        if self.arrays.written is not None and self.arrays.written.chunk_bytes == CHUNK_BYTES:
+            known = {f"arrays/{name}": sums for name, sums in self.arrays.written.sums.items()}
+        tmp.write_text(json.dumps(_file_sums(step_dir, known=known)))
         tmp.replace(step_dir / CHECKSUMS)  # atomic: a checkpoint has its whole list of sums or none
 
     def _verify(self, step: int) -> None:
@@ -461,13 +485,21 @@ class Checkpoints:
     def restore(self, step: int, target):
         """The canonical state saved at `step`, read straight into the shapes and shardings of `target`
         (ShapeDtypeStructs with shardings, e.g. `run.canonical_target()`)."""
+        if self._holds_arrays(step):
+            return self.manager.restore(step, args=ocp.args.Composite(arrays=ArraysRestore(target))).arrays
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
         args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args)
         return self.manager.restore(step, args=ocp.args.Composite(state=args)).state
 
+    def _holds_arrays(self, step: int) -> bool:
+        """Whether checkpoint `step` holds `array_files` (else orbax's form: compressed, or an older save)."""
+        return (self.directory / str(step) / "arrays").is_dir()
+
     def restore_params(self, step: int) -> dict:
         """Only the parameters saved at `step`, as host arrays (for export: the whole model in this process;
         the optimizer state is not read). Keys of lists come back as strings ("0", "1", ...)."""
+        if self._holds_arrays(step):
+            return read_tree(self.directory / str(step) / "arrays", "params")
         path = self.directory / str(step) / "state"
         absl_logger = logging.getLogger("absl")  # orbax warns that the item has no metadata of its own (the step has)
         absl_logger.addFilter(self._quiet)
@@ -479,6 +511,8 @@ class Checkpoints:
     def restore_params_onto(self, step: int, place) -> dict:
         """Only the parameters saved at `step`, each read straight onto the sharding `place(shape)` returns
         (every device reads its own slices: for export without the whole model on one device or host)."""
+        if self._holds_arrays(step):
+            return read_tree(self.directory / str(step) / "arrays", "params", place)
         path = self.directory / str(step) / "state"
         absl_logger = logging.getLogger("absl")
         absl_logger.addFilter(self._quiet)

@@ -37,6 +37,6 @@ def largest_file(directory: Path) -> Path:
 
 
 def truncate_checkpoint(step_dir: Path) -> None:
-    """Damage a checkpoint: its largest state file cut to half its size."""
-    data = largest_file(step_dir / "state")
+    """Damage a checkpoint: its largest data file cut to half its size."""
+    data = largest_file(step_dir)
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])

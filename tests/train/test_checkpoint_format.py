@@ -1,12 +1,13 @@
 """Checkpoints written in orbax's default form (zarr v2 arrays and a `_sharding` file, as jaxdist wrote before
-its saves took zarr v3 arrays in 64 MiB data files without the sharding file) restore, and the new form
-round-trips, values and dtypes exact."""
+its saves took zarr v3 arrays in 64 MiB data files without the sharding file, and then its own array files)
+restore, and the array files round-trip, values and dtypes exact, readable by safetensors alone."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from safetensors import safe_open
 
 from jaxdist.train.checkpoint import Checkpoints
 
@@ -42,8 +43,13 @@ def test_checkpoint_restores_exactly_in_either_form(tmp_path, form):
     else:
         ckpt.save(3, values, {"step": 3})
         ckpt.wait()
-    written = {p.name for p in (ckpt.directory / "3" / "state").iterdir()}
+    item = ckpt.directory / "3" / ("state" if form == "orbax-default" else "arrays")
+    written = {p.name for p in item.iterdir()}
     assert ("_sharding" in written) == (form == "orbax-default")  # a restore reads onto the target's shardings
+    if form == "jaxdist":  # a small state: one safetensors file of this process, each leaf by its path
+        with safe_open(str(item / "arrays.0.0.safetensors"), framework="numpy") as f:
+            assert sorted(f.keys()) == ["params/b", "params/w", "step"]
+            np.testing.assert_array_equal(f.get_tensor("params/w"), np.asarray(values["params"]["w"]))
     try:
         step, restored = ckpt.newest_readable(lambda s: ckpt.restore(s, target(values)))
         assert step == 3 and ckpt.meta(3)["step"] == 3

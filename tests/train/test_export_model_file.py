@@ -10,12 +10,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
 from jaxdist.models.gpt import FLAVORS, GPT, GPTConfig
 from jaxdist.train import config as config_lib
+from jaxdist.train.array_files import read_tree
 from jaxdist.train.checkpoint import check_same_model
 from jaxdist.train.cli import main
 from jaxdist.train.trainer import train
@@ -34,13 +34,9 @@ def exported(tmp_path_factory):
 
 
 def _saved_params(run_dir: Path) -> dict:
-    """The parameters of the run's checkpoint of step 1, read with orbax alone as host arrays (a run's
+    """The parameters of the run's checkpoint of step 1, read from its array files as host arrays (a run's
     checkpoint records no shardings: a reader names where the arrays go, here NumPy)."""
-    state = (run_dir / "checkpoints" / "1" / "state").absolute()
-    with ocp.PyTreeCheckpointer() as reader:
-        saved = reader.metadata(state).item_metadata.tree
-        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
-        return reader.restore(state, args=ocp.args.PyTreeRestore(item=saved, restore_args=as_numpy))["params"]
+    return read_tree(run_dir / "checkpoints" / "1" / "arrays", "params")
 
 
 @pytest.mark.filterwarnings("ignore:Sharding info not provided")

@@ -64,7 +64,7 @@ def test_starting_over_needs_overwrite_and_then_replaces_the_run(tmp_path, capsy
 
 
 def _flip(step_dir):
-    data = largest_file(step_dir / "state")
+    data = largest_file(step_dir)
     raw = bytearray(data.read_bytes())
     middle = len(raw) // 2
     raw[middle : middle + 16] = bytes(b ^ 0xFF for b in raw[middle : middle + 16])
