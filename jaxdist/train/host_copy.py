@@ -33,25 +33,48 @@ def start_host_copy(tree):
     """`tree` with every jax.Array replaced by a copy in host memory whose transfer has been enqueued
     (not waited for), a buffer of its own also where the array is in host memory already; other
     leaves are returned as they are. Arrays on a backend without host memory kinds are copied on
-    their devices (costing device memory)."""
-    return jax.tree.map(lambda x: _start_copy(x) if isinstance(x, jax.Array) else x, tree)
+    their devices (costing device memory). The transfers are enqueued by one `device_put` of all
+    the arrays: the loop waits for this call, and a train state has hundreds of arrays."""
+    leaves, treedef = jax.tree.flatten(tree)
+    plans = [_plan(x) if isinstance(x, jax.Array) else None for x in leaves]
+    sources = [src for plan in plans if plan is not None for src in plan.sources]
+    targets = [dst for plan in plans if plan is not None for dst in plan.targets]
+    copies = iter(jax.device_put(sources, targets, may_alias=False) if sources else [])
+    out = []
+    for x, plan in zip(leaves, plans, strict=True):
+        if plan is None:
+            out.append(x)
+        elif not plan.targets:
+            out.append(x.copy())
+        else:
+            got = [next(copies) for _ in plan.targets]
+            out.append(got[0] if plan.assemble is None else plan.assemble(got))
+    return treedef.unflatten(out)
 
 
-def _start_copy(x: jax.Array) -> jax.Array:
+class _Plan:
+    """How one array is copied: `sources[i]` onto `targets[i]`, then `assemble(copies)` (None: the one copy
+    is the array; no targets: copied on its device)."""
+
+    def __init__(self, sources, targets, assemble=None):
+        self.sources, self.targets, self.assemble = sources, targets, assemble
+
+
+def _plan(x: jax.Array) -> _Plan:
     device = next(iter(x.sharding.addressable_devices or x.sharding.device_set))  # one of this process's
     kind = host_memory_kind(device)
     if kind is None:
-        return x.copy()  # on the device: a buffer the next step cannot donate
+        return _Plan([], [])  # on the device: a buffer the next step cannot donate
     if x.is_fully_addressable:
         if isinstance(x.sharding, jax.sharding.SingleDeviceSharding) or len(x.sharding.device_set) == 1:
-            return jax.device_put(x, jax.sharding.SingleDeviceSharding(device, memory_kind=kind), may_alias=False)
+            return _Plan([x], [jax.sharding.SingleDeviceSharding(device, memory_kind=kind)])
         if isinstance(x.sharding, jax.sharding.NamedSharding):
-            return _copy_one_replica(x, x.sharding, kind)
+            return _one_replica(x, x.sharding, kind)
     # several processes (each copies the shards it holds) or another kind of sharding: every local shard
-    return jax.device_put(x, x.sharding.with_memory_kind(kind), may_alias=False)
+    return _Plan([x], [x.sharding.with_memory_kind(kind)])
 
 
-def _copy_one_replica(x: jax.Array, sharding: jax.sharding.NamedSharding, kind: str) -> jax.Array:
+def _one_replica(x: jax.Array, sharding: jax.sharding.NamedSharding, kind: str) -> _Plan:
     """`x` in host memory on the devices of one replica: the mesh cut to its first position along
     each axis the array is not split over."""
     mesh, spec = sharding.mesh, sharding.spec
@@ -60,11 +83,12 @@ def _copy_one_replica(x: jax.Array, sharding: jax.sharding.NamedSharding, kind: 
     sub_mesh = jax.sharding.Mesh(mesh.devices[cut], mesh.axis_names, axis_types=mesh.axis_types)
     target = jax.sharding.NamedSharding(sub_mesh, spec, memory_kind=kind)
     shards = {s.device: s.data for s in x.addressable_shards}
-    copies = [
-        jax.device_put(shards[d], jax.sharding.SingleDeviceSharding(d, memory_kind=kind), may_alias=False)
-        for d in sub_mesh.devices.flat
-    ]
-    return jax.make_array_from_single_device_arrays(x.shape, target, copies)
+    devices = list(sub_mesh.devices.flat)
+    return _Plan(
+        [shards[d] for d in devices],
+        [jax.sharding.SingleDeviceSharding(d, memory_kind=kind) for d in devices],
+        lambda copies: jax.make_array_from_single_device_arrays(x.shape, target, copies),
+    )
 
 
 def wait_for_host_copy(tree, threads: int = 8) -> None:
