@@ -74,7 +74,10 @@ def test_a_save_holds_the_values_of_the_call_when_the_next_step_donates_them(tmp
 
 
 def test_the_host_copy_holds_one_replica_in_host_memory():
-    sharding = _shardings()["split over one axis, replicated over the other"]
+    shardings = _shardings()
+    if "split over one axis, replicated over the other" not in shardings:
+        pytest.skip(f"needs 8 devices of the default backend, found {len(jax.devices())}")
+    sharding = shardings["split over one axis, replicated over the other"]
     x = jax.device_put(jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16), sharding)
     copy = start_host_copy({"x": x, "n": 3})
     assert copy["n"] == 3
