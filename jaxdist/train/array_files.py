@@ -246,6 +246,7 @@ def write_arrays(directory: Path, tree, chunk_bytes: int = CHUNK_BYTES) -> Writt
     by one thread at a time: a file system serializes the writes into one file), each fsync'd and summed
     by `chunk_bytes` pieces as it is written."""
     began = time.perf_counter()
+    Path(directory).mkdir(parents=True, exist_ok=True)
     blobs, leaves = _local_blobs(tree)
     _host_values(blobs)
     copied = time.perf_counter()

@@ -1,33 +1,36 @@
-"""Checkpoints with orbax: the canonical train state, sharded, written in the background.
+"""Checkpoints through orbax's manager: the canonical train state, sharded, written in the background.
 
 Each checkpoint holds the run's canonical state (`jaxdist.core.canonical`: the
 parameters by parameter path, the optimizer state of a single-device optax
 run, the step, the model's other variables) and metadata (model config,
-layout, schedule, data). Orbax writes every array from the devices that hold
-its shards; a restore reads each array straight into the shardings of the
-target run's canonical form (`run.canonical_target()`), whatever layout saved
-it, and the run converts it to its own layout (`run.from_canonical`) inside
-jit: no device and no host ever holds a whole copy.
+layout, schedule, data). The arrays are written as safetensors files by
+`jaxdist.train.array_files` (each process its shards of replica 0, in up to 8
+files side by side, at the disk's speed); `run.checkpoint_compress` writes
+orbax's zstd-compressed zarr arrays instead, the form older checkpoints hold.
+A restore reads each array straight into the shardings of the target run's
+canonical form (`run.canonical_target()`), whatever layout saved it, and the
+run converts it to its own layout (`run.from_canonical`) inside jit: no device
+and no host ever holds a whole copy.
 
 Saves are asynchronous: `save` enqueues a copy of every array into host memory
 (pinned where the backend has it, one replica of each shard: `jaxdist.train.host_copy`)
 and returns without waiting for it; the next step may donate and overwrite the
 state at once, the runtime ordering it behind the copies' reads. A background
-thread hands the copies to orbax and waits for its writes (with several processes
-orbax's save is started in `save` instead, as its barriers are device collectives
-that must keep the loop's order: the loop then waits for the device-to-host copy).
-At most one save is in flight (`save` and `wait` finish the previous one first).
-Orbax writes a checkpoint to a temporary directory and renames it when complete,
-so an interrupted save (a crash, kill -9) never touches the previous checkpoints;
+thread hands the copies to orbax's manager and waits for the writes (with several
+processes the manager's save is started in `save` instead, as its barriers are
+device collectives that must keep the loop's order). At most one save is in flight
+(`save` and `wait` finish the previous one first). Orbax writes a checkpoint to a
+temporary directory and renames it when every process's writes are complete, so
+an interrupted save (a crash, kill -9) never touches the previous checkpoints;
 only the newest `keep` are kept.
 
-Orbax does not checksum its data files (a flipped byte restores silently as a
-wrong value), so after each save the size and CRC-32 of every file go into
-`CHECKSUMS` (older checkpoints: `CHECKSUMS_V1`); a checkpoint that fails it, or that
-orbax cannot read, is moved to `checkpoints.unreadable/` and the previous one is used
-instead. The checksums are computed in the background too, one CRC per 16 MiB piece
-of a file, on several threads, with ISA-L's CRC-32 (the same sums as zlib's, ~5x
-faster per core). `timings` holds the seconds of the last save's background parts.
+After each save the size and CRC-32 of every file go into `CHECKSUMS` (older
+checkpoints: `CHECKSUMS_V1`): the array files' sums are taken as they are written,
+the other files' read back (one CRC per 16 MiB piece of a file, on several threads,
+with ISA-L's CRC-32: the same sums as zlib's, ~5x faster per core). A checkpoint
+that fails them, or that cannot be read, is moved to `checkpoints.unreadable/` and
+the previous one is used instead. `timings` holds the seconds of the last save's
+background parts.
 """
 
 from __future__ import annotations
