@@ -19,7 +19,7 @@ its row). Three tables:
 (c) Checkpoint cost: `jaxdist train` on GPT-124M, 16 x 1024, synthetic data, with no checkpoints and
     one every 50 and every 10 steps (tokens/s ratios to none); one save of the same train state through
     `jaxdist.train.checkpoint.Checkpoints` timed by phase (`save()`: the loop's wait, enqueuing the
-    device-to-host copies; then in the background the copies, orbax's writes and the checksums); and
+    device-to-host copies; then in the background the copies, the writes and the checksums); and
     the raw write bandwidth of the same
     directory measured in the same run (the same bytes, fsync'd, from 1 and from 8 threads).
 """
@@ -251,7 +251,7 @@ def checkpoint_tables(args, base: Path) -> str:
             f"| `save()` (the loop waits: the device-to-host copies enqueued) | {save['save()']:.3f} s |",
             f"| copied, written, fsync'd and checksummed (background) | {save['written and summed']:.3f} s, "
             f"{rate:.2f} GiB/s |",
-            f"| of which: device-to-host copies / orbax's writes / checksums | {save['copy_s']:.3f} / "
+            f"| of which: copies / writes, summed as written / the other files' sums | {save['copy_s']:.3f} / "
             f"{save['write_s']:.3f} / {save['checksum_s']:.3f} s |",
             f"| raw write of the same bytes, fsync, 1 thread | {gib / save['raw_1']:.2f} GiB/s |",
             f"| raw write of the same bytes, fsync, 8 threads | {gib / save['raw_8']:.2f} GiB/s |",

@@ -69,4 +69,25 @@ def summarize(trace_dir: str, steps: int, top: int = 25) -> str:
         if name.startswith("Stream"):
             busy = sum(e.duration_ns for e in line.events) / 1e6 / steps
             out.append(f"  stream {name[:60]}: busy {busy:.2f} ms/step")
+    out.append(idle_time(lines.values(), steps))
     return "\n".join(out)
+
+
+def idle_time(lines, steps: int) -> str:
+    """The traced steps' span on the device, the part of it no kernel ran (the union of every stream's
+    kernels: what launch gaps and waits for the host cost), and the gaps over 50 us."""
+    spans = sorted((e.start_ns, e.end_ns) for line in lines if line.name.startswith("Stream") for e in line.events)
+    if not spans:
+        return "  no stream events: idle time unknown"
+    busy, gaps, end = 0, [], spans[0][0]
+    for start, stop in spans:
+        if start > end:
+            gaps.append(start - end)
+        busy += max(0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - spans[0][0]
+    long = [g for g in gaps if g > 50_000]
+    return (
+        f"  device span {span / 1e6 / steps:.2f} ms/step, idle {(span - busy) / 1e6 / steps:.2f} ms/step "
+        f"in {len(gaps) / steps:.0f} gaps/step ({len(long) / steps:.1f} over 50 us: {sum(long) / 1e6 / steps:.2f} ms)"
+    )

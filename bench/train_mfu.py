@@ -22,6 +22,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 from results import append_result  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[1]
+
 BF16 = ["model.dtype=bfloat16", "data.source=synthetic", "run.checkpoint_every=0", "run.progress=false"]
 # name: the keys after the common ones (batch and sequence as the measurements in the docs name them)
 CONFIGS = {
@@ -39,10 +41,12 @@ CPU_CONFIGS = {
 
 def measure(name: str, keys: list[str], steps: int, timeout: int, cpu: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="jaxdist-mfu-") as out:
-        argv = ["jaxdist", "train", *BF16, *keys, f"run.steps={steps}", "run.log_every=5", f"run.out_dir={out}"]
+        # the CLI of this checkout (as `jaxdist train` runs it), whether or not the package is installed
+        argv = [sys.executable, "-m", "jaxdist.train.cli", "train", *BF16, *keys, f"run.steps={steps}"]
+        argv += ["run.log_every=5", f"run.out_dir={out}"]
         env = dict(os.environ, JAX_PLATFORMS="cpu") if cpu else os.environ
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
         except subprocess.TimeoutExpired:
             return {"error": f"over {timeout} s"}
         rows = (
