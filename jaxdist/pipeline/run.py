@@ -42,6 +42,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import numpy as np
+
 from jaxdist.engine.run import EngineParts, Parallel, PartsRun, Units
 from jaxdist.pipeline import schedule as ps
 from jaxdist.pipeline.placement import StagePlacement, pp_spec
@@ -64,12 +66,20 @@ class Pipelined(Parallel):
     keeps only the stage's input and recomputes the forward in the backward (less memory, one more
     forward). With an fsdp axis a step gathers this rank's pieces once and keeps them
     (`reshard_after_forward`, `buffers` and `prefetch` do not apply).
+
+    `per_rank_programs`: where each process holds the devices of one pp rank (a multi-process run,
+    e.g. one process per GPU with pp = the process count), each process traces its own rank's
+    column of the table as straight-line code (`stage_step._Ticks.run_rank`): no switch on the rank
+    and no loop, so the device runs the ticks back to back without the host choosing each one. Off
+    by default: checked on CPU processes (gloo) against the one-program step, not yet measured on
+    GPUs. A process holding devices of several pp ranks is refused with this option.
     """
 
     pp_axis: str = "pp"
     microbatches: int = 4
     schedule: str = "1f1b"
     virtual: int = 1
+    per_rank_programs: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -150,7 +160,30 @@ class PipelineRun(PartsRun):
                 "Pipelined: models with non-parameter variables (dropout RNG streams, batch statistics) are not "
                 "supported with a pipeline axis yet"
             )
+        rank = process_pp_rank(self.mesh, cfg.pp_axis) if cfg.per_rank_programs else None
         grads = ScheduleGrads(
-            cfg, parts, self.table, self.plan, self.placement, keep=cfg.keeps_activations, variant_starts=variant_starts
+            cfg,
+            parts,
+            self.table,
+            self.plan,
+            self.placement,
+            keep=cfg.keeps_activations,
+            variant_starts=variant_starts,
+            rank=rank,
         )
         self._step, self.step = parts.placed_step(grads)
+
+
+def process_pp_rank(mesh, pp_axis: str) -> int:
+    """The pp rank of this process's devices in `mesh`; a process holding devices of several pp ranks (or
+    none) raises, naming them: its devices would need the programs of several ranks."""
+    axis = mesh.axis_names.index(pp_axis)
+    local = {d.id for d in mesh.local_devices}
+    ranks = sorted({int(i[axis]) for i, d in np.ndenumerate(mesh.devices) if d.id in local})
+    if len(ranks) != 1:
+        raise ValueError(
+            f"Pipelined(per_rank_programs=True): this process holds devices of pp ranks {ranks}; each process "
+            f"must hold the devices of one pp rank (as many processes as the {pp_axis!r} axis has ranks, e.g. "
+            "one process per GPU), or turn per_rank_programs off"
+        )
+    return ranks[0]

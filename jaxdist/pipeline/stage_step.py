@@ -213,6 +213,84 @@ class _Ticks(StageOps):
         (st, tok), _ = lax.scan(tick, (st, tok), {"rank": per_rank, "pattern": jnp.asarray(pattern)})
         return st, tok
 
+    def run_rank(self, st, rank: int, table: ps.Schedule, tok):
+        """Pp rank `rank`'s column of the table with no switch: its ticks as code chosen when tracing.
+        The column's repeating part (1F1B's steady state: F then B, again and again) is one `lax.scan`
+        over its repetitions, whose slots and micro-batches are the scanned values; the ticks before and
+        after it are straight-line code (`rank_segments`). A per-rank program: the process holding rank
+        `rank` runs it, the other ranks' processes theirs, their sendrecvs paired tick by tick; the loop's
+        trip count is known when compiling, and nothing in it waits for the host to choose a branch.
+        In a loop, the table's slots bound the memory as in the one-program step (straight-line ticks
+        leave XLA free to compute early and hold what later ticks read)."""
+        kinds, indices = _rank_column(self.plan, table, rank)
+        for start, period, repeats in rank_segments(kinds):
+            if repeats == 1:
+                st, tok = self._rank_tick(st, tok, kinds[start], indices[start])
+                continue
+            scanned = {
+                k: jnp.asarray([[indices[start + i * period + j][k] for j in range(period)] for i in range(repeats)])
+                for k in _INDICES
+            }
+
+            def body(carry, xs, pattern=kinds[start : start + period]):
+                st, tok = carry
+                for j, kind in enumerate(pattern):
+                    st, tok = self._rank_tick(st, tok, kind, {k: v[j] for k, v in xs.items()})
+                return (st, tok), None
+
+            (st, tok), _ = lax.scan(body, (st, tok), scanned)
+        return st, tok
+
+    def _rank_tick(self, st, tok, kind: tuple, row: dict):
+        """One tick of `run_rank`: `kind`'s op, sendrecv, receive and average (`_rank_column`) on `row`'s chunk,
+        micro-batch and slots (Python ints, or a scan's values)."""
+        code, perm, arrives, done = kind
+        st, out = self.idle(st, row) if code == IDLE else self.branch(code)(st, row)
+        if perm:
+            got, tok = self.exchange(perm)(out, tok)
+            if arrives:
+                name = "acts" if arrives == 1 else "grads"
+                new = lax.dynamic_update_index_in_dim(st[name], got.astype(st[name].dtype), row["recv_slot"], 0)
+                st = {**st, name: new}
+        if self.cfg.data_axes and done:
+            st, tok = self.average_stages(st, tok)
+        return st, tok
+
+
+_INDICES = ("chunk", "microbatch", *(f"{k}_slot" for k in SLOTS), "recv_slot")  # what varies between repeats
+
+
+def _rank_column(plan: TickPlan, table: ps.Schedule, rank: int) -> tuple[list[tuple], list[dict]]:
+    """Per tick of `rank`'s column: its kind (op code, sendrecv pattern, what arrives, whether the rank's stage
+    gradients are then final: the code the tick runs) and its indices (chunk, micro-batch, slots)."""
+    kinds = [
+        (int(plan.branch[t, rank]), tick.perm(), int(plan.recv_kind[t, rank]), int(plan.done[t, rank]))
+        for t, tick in enumerate(table.ticks)
+    ]
+    indices = [{k: int(getattr(plan, k)[t, rank]) for k in _INDICES} for t in range(len(table.ticks))]
+    return kinds, indices
+
+
+def rank_segments(kinds: list, most_period: int = 8) -> list[tuple[int, int, int]]:
+    """`kinds` (one per tick) cut into `(start, period, repeats)` segments covering them in order: the longest
+    run of a pattern of up to `most_period` ticks repeated at least twice becomes one segment (a loop);
+    the ticks before and after are cut the same way, and what repeats nothing is `(start, 1, 1)` each."""
+    best = None
+    for period in range(1, min(most_period, len(kinds) // 2) + 1):
+        for start in range(len(kinds) - 2 * period + 1):
+            repeats = 1
+            while kinds[start + repeats * period : start + (repeats + 1) * period] == kinds[start : start + period]:
+                repeats += 1
+            if repeats >= 2 and (best is None or repeats * period > best[1] * best[2]):
+                best = (start, period, repeats)
+    if best is None:
+        return [(t, 1, 1) for t in range(len(kinds))]
+    start, period, repeats = best
+    end = start + period * repeats
+    before = rank_segments(kinds[:start], most_period)
+    after = [(s + end, p, r) for s, p, r in rank_segments(kinds[end:], most_period)]
+    return [*before, best, *after]
+
 
 class ScheduleGrads:
     """The pipeline's per-device program for `jaxdist.engine.step.train_step`:
@@ -222,7 +300,9 @@ class ScheduleGrads:
       cfg: the pipeline's options; parts: the engine's parts of the run.
       table, plan: the schedule and its arrays (`tick_plan`, built with the same `keep` and variants);
       placement: the blocks over pp; keep: keep the forward's residuals (else recompute them);
-      variant_starts: each stage variant's first block (`stage_ops.stage_variants`).
+      variant_starts: each stage variant's first block (`stage_ops.stage_variants`);
+      rank: this process's pp rank, to trace its column of the table alone (`_Ticks.run_rank`: a
+        per-rank program); None traces every rank's program in one (a switch per tick on the rank).
     """
 
     def __init__(
@@ -234,9 +314,10 @@ class ScheduleGrads:
         placement: StagePlacement,
         keep: bool = True,
         variant_starts: tuple[int, ...] = (0,),
+        rank: int | None = None,
     ):
         self.cfg, self.parts, self.table, self.plan, self.placement = cfg, parts, table, plan, placement
-        self.keep, self.variant_starts = keep, variant_starts
+        self.keep, self.variant_starts, self.rank = keep, variant_starts, rank
 
     def x_aval(self, micro):
         """The activations' aval between stages for micro-batches of avals `micro`."""
@@ -255,7 +336,10 @@ class ScheduleGrads:
         # this step's batch may differ in size from prepare's example: the activations' shape follows it
         micro = micro_avals(cfg, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch))
         ticks = _Ticks(self, w, chunks, batch, model_state, micro, self.x_aval(micro))
-        st, tok = ticks.run(ticks.initial(w), rank, self.table, tok)
+        if self.rank is None:
+            st, tok = ticks.run(ticks.initial(w), rank, self.table, tok)
+        else:
+            st, tok = ticks.run_rank(ticks.initial(w), self.rank, self.table, tok)
 
         # each block's gradient (already averaged over the data axes) back to the pp pieces it is
         # stored in, then this rank's share of the storage axis; embedding and head summed over pp

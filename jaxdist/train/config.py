@@ -136,6 +136,11 @@ class ParallelConfig:
     microbatches: int = _key(4, "pipeline: micro-batches per data rank's batch", COUNT)
     schedule: str = _key("1f1b", "pipeline schedule: 1f1b, gpipe, interleaved or zb-h1 (zero bubble; alias zbh1)")
     virtual: int = _key(1, "pipeline: stages per rank (interleaved schedule)", COUNT)
+    per_rank_programs: bool = _key(
+        False,
+        "pipeline: each process traces only its pp rank's ticks, as straight-line code (needs one pp rank "
+        "per process, e.g. one process per GPU)",
+    )
 
 
 @dataclasses.dataclass
@@ -313,6 +318,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("optim.accumulation_steps > 1 works with DDP only; set it to 1 with parallel.cp > 1")
     if cfg.parallel.cp > 1 and cfg.parallel.update_in_backward:
         raise ConfigError("parallel.update_in_backward works with FSDP alone; set it to false with parallel.cp > 1")
+    if cfg.parallel.per_rank_programs and cfg.parallel.pp < 2:
+        raise ConfigError("parallel.per_rank_programs=true needs a pipeline; set parallel.pp >= 2 or turn it off")
     if cfg.parallel.update_in_backward and cfg.optim.max_grad_norm > 0:
         # the strategy updates each unit before the global gradient norm exists, so clipping would be dropped
         raise ConfigError(

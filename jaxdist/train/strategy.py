@@ -185,6 +185,7 @@ def _pipelined(cfg: TrainConfig, mesh, model, optimizer, batch, clip):
             microbatches=p.microbatches,
             schedule=p.schedule,
             virtual=p.virtual,
+            per_rank_programs=p.per_rank_programs,
         )
         return strategy.prepare(model, optimizer, family.units, batch)
     except ValueError as e:  # the pipeline's own one-line errors name the parallel.* key to change

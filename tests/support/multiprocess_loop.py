@@ -45,6 +45,8 @@ STRATEGIES = {
     "dp-tp": ["parallel.tp=2"],
     "fsdp-tp": ["parallel.fsdp=2", "parallel.tp=2"],
     "pipeline": ["parallel.pp=2"],
+    # each process one pp rank, tracing its own ticks; the one-process reference runs the one program
+    "pipeline-per-rank": ["parallel.pp=2", "parallel.per_rank_programs=true"],
 }
 SAMPLE_TOKENS = 6
 
@@ -85,7 +87,10 @@ def check_two_processes_evaluate_checkpoint_resume_and_sample(tmp_path: Path, st
     """Run `strategy` (a key of STRATEGIES) in two parts over 2 processes and check it against one process."""
     layout = STRATEGIES[strategy]
     ref_out = tmp_path / "reference"
-    train(config_lib.load(None, [*BASE, *layout, "run.steps=4", "run.checkpoint_every=-1", f"run.out_dir={ref_out}"]))
+    one_process = [k for k in layout if not k.startswith("parallel.per_rank_programs")]  # needs a process per rank
+    train(
+        config_lib.load(None, [*BASE, *one_process, "run.steps=4", "run.checkpoint_every=-1", f"run.out_dir={ref_out}"])
+    )
     reference = rows(ref_out)
     out = tmp_path / "two-processes"
     sample = f"run.sample_tokens={SAMPLE_TOKENS}"

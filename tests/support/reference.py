@@ -48,7 +48,7 @@ def train_single_device(make_model, loss_fn, batches, optimizer) -> Reference:
         updates, s = optimizer.update(g, s, p)
         return optax.apply_updates(p, updates), s, loss, optax.global_norm(g)
 
-    device = jax.devices("cpu")[0]
+    device = jax.local_devices(backend="cpu")[0]  # this process's (several processes each run the reference)
     pure, opt_state = jax.device_put((pure, opt_state), device)
     losses, norms = [], []
     for batch in batches:
