@@ -9,6 +9,10 @@ ZB-H1, activations kept (the default); ZeRO-1 (DDP, dp=2) on the same two device
 and one stage alone on one device (a GPT of n_layers / pp blocks with the embedding and head, a
 micro-batch's rows, jit(value_and_grad), the AdamW update left out): its forward + backward time t.
 
+`--per-rank` adds the same schedules as per-rank programs (`Pipelined(per_rank_programs=True)`): two
+processes, one GPU each (with `--cpu`: one CPU device each, gloo), each tracing its own pp rank's
+ticks; the row is process 0's measurement.
+
 Columns: ms/step (median of three windows of `--steps` steps, after two warm-up steps); MFU =
 tokens/s x FLOPs per token (`jaxdist.train.trainer.flops_per_token`) / (989 TFLOP/s x devices);
 peak GiB (the devices' largest `peak_bytes_in_use`); host ms, the time until the step call returns
@@ -21,14 +25,17 @@ long as its longest op, at F : B : W = 1 : 2 (unsplit) or 1 : 1 : 1 of a stage's
 import os
 import sys
 
-if "--cpu" in sys.argv:  # before JAX starts: two CPU devices, inherited by every configuration's process
+if "--cpu" in sys.argv:  # before JAX starts: two CPU devices (one in each process of a per-rank kind)
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    count = 1 if "--process" in sys.argv else 2
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import socket  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -83,13 +90,18 @@ def timed(step, state, batch, steps: int) -> tuple[float, float, object]:
 
 
 def peak_gib() -> float | None:
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.devices()[:PP]]
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()[:PP]]
     return max(peaks) / 2**30 if all(peaks) else None
+
+
+PER_RANK = "-per-rank"  # a kind's suffix: the schedule as per-rank programs, one process per pp rank
 
 
 def measure(kind: str, flavor: str, m: int, batch_size: int, steps: int, cpu: bool) -> dict:
     cfg = model_config(flavor, cpu)
     batch = tokens(cfg, batch_size)
+    if kind.endswith(PER_RANK):
+        return measure_per_rank(kind.removesuffix(PER_RANK), cfg, m, batch, steps)
     with jax.default_device(jax.devices("cpu")[0]):  # built on the host: the devices hold only what the run puts there
         model = GPT(cfg, nnx.Rngs(0))
     mesh_devices = np.asarray(jax.devices()[:PP])
@@ -122,7 +134,37 @@ def measure(kind: str, flavor: str, m: int, batch_size: int, steps: int, cpu: bo
     return {**out, "ms": 1e3 * seconds, "host_ms": 1e3 * host, "peak_gib": peak_gib(), "loss": float(metrics["loss"])}
 
 
+def measure_per_rank(kind: str, cfg, m: int, batch, steps: int) -> dict:
+    """`kind`'s schedule as per-rank programs in this process of two (jax.distributed already joined)."""
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        model = GPT(cfg, nnx.Rngs(0))
+    schedule, v = KINDS[kind]
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:PP]), ("pp",))
+    strategy = Pipelined(mesh, microbatches=m, schedule=schedule, virtual=v, per_rank_programs=True)
+    run = strategy.prepare(model, optax.adamw(3e-4), UNITS, batch)
+    host = {k: np.asarray(x) for k, x in batch.items()}
+    placed = {
+        k: jax.make_array_from_callback(x.shape, run.step.batch_sharding, lambda i, x=x: x[i]) for k, x in host.items()
+    }
+    seconds, host_s, metrics = timed(run.step, run.state, placed, steps)
+    out = {"flops_per_token": flops_per_token(cfg), "tokens": batch["tokens"].shape[0] * cfg.seq_len}
+    loss = float(np.asarray(metrics["loss"].addressable_data(0)))
+    return {
+        **out,
+        "span": run.table.span,
+        "v": v,
+        "ms": 1e3 * seconds,
+        "host_ms": 1e3 * host_s,
+        "peak_gib": peak_gib(),
+        "loss": loss,
+    }
+
+
 def child(args) -> None:
+    if args.process is not None:  # one of two processes of a per-rank kind
+        if args.cpu:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(args.coordinator, PP, args.process)
     try:
         out = measure(args.one, args.flavor, args.m, args.batch, args.steps, args.cpu)
     except Exception as e:  # noqa: BLE001 (any failure is a row of the table)
@@ -134,7 +176,30 @@ def child(args) -> None:
 def spawn(args, kind: str, flavor: str, m: int) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", kind, "--flavor", flavor, "--m", str(m)]
     cmd += ["--steps", str(args.steps), "--batch", str(args.batch)] + (["--cpu"] if args.cpu else [])
-    return run_child(cmd, args.timeout, RESULT)
+    if not kind.endswith(PER_RANK):
+        return run_child(cmd, args.timeout, RESULT)
+    with socket.socket() as s:  # a free port for the two processes' coordinator
+        s.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+    procs = []
+    for process in range(PP):
+        env = dict(os.environ)
+        if not args.cpu:
+            env["CUDA_VISIBLE_DEVICES"] = str(process)
+        one = [*cmd, "--process", str(process), "--coordinator", coordinator]
+        procs.append(subprocess.Popen(one, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            return {"error": f"timeout after {args.timeout} s"}
+        found = [line for line in stdout.splitlines() if line.startswith(RESULT)]
+        tail = [line for line in stderr.splitlines() if line.strip()] or [""]
+        results.append(json.loads(found[-1][len(RESULT) :]) if found else {"error": tail[-1][:200]})
+    return results[0]
 
 
 def row(flavor: str, m: int, name: str, r: dict, stage: dict) -> str:
@@ -162,6 +227,9 @@ def main() -> None:
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--flavor", help=argparse.SUPPRESS)
     p.add_argument("--m", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--per-rank", action="store_true", help="also each schedule as per-rank programs (2 processes)")
+    p.add_argument("--process", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--coordinator", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.steps = args.steps or (2 if args.cpu else 10)
     if args.one:
@@ -179,7 +247,8 @@ def main() -> None:
             print(f"{flavor} m={m} one stage: {stage}", flush=True)
             stage_ms = f"{stage['ms']:.2f}" if "ms" in stage else stage.get("error", "-")
             lines.append(f"| {flavor} | {m} | one stage, one micro-batch | {stage_ms} | | | | | |")
-            for kind in (*KINDS, "zero1"):
+            per_rank = [k + PER_RANK for k in KINDS] if args.per_rank else []
+            for kind in (*KINDS, *per_rank, "zero1"):
                 r = spawn(args, kind, flavor, m)
                 print(f"{flavor} m={m} {kind}: {r}", flush=True)
                 lines.append(row(flavor, m, "ZeRO-1 dp=2" if kind == "zero1" else f"pp=2 {kind}", r, stage))
