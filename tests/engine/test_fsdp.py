@@ -207,9 +207,9 @@ def test_update_in_backward_temp_memory_does_not_grow_with_depth(memory):
 
 
 def test_schedule_gathers_one_unit_ahead_and_scatters_behind(mesh):
-    run = FSDP(mesh).prepare(
-        GPT(dataclasses.replace(CFG, n_layers=4), nnx.Rngs(0)), optax.adam(1e-3), UNITS, batches(1)[0]
-    )
+    # the program of test_matches_single_device_and_ddp[reshard-2] (FSDP's defaults): compiled once per test run
+    run = FSDP(mesh).prepare(GPT(CFG, nnx.Rngs(0)), optax.adam(1e-3), UNITS, batches(1)[0])
+    n = CFG.n_layers
     unit = f"f32[8,{block_size(run) // 8}]"  # every rank's pieces of one block, in one collective
     shard = f"f32[1,{block_size(run) // 8}]"
     sched = entry_schedule(run.step.lower(run.state, batches(1)[0]).compile().as_text())
@@ -220,13 +220,13 @@ def test_schedule_gathers_one_unit_ahead_and_scatters_behind(mesh):
 
     gathers = positions(sched, "all-gather", unit)
     scatters = positions(sched, "reduce-scatter", shard)
-    assert len(gathers) == 8 and len(scatters) == 4  # 4 blocks gathered in forward and again in backward
-    fwd = [before(g) for g in gathers[:4]]
+    assert len(gathers) == 2 * n and len(scatters) == n  # each block gathered in forward and again in backward
+    fwd = [before(g) for g in gathers[:n]]
     per_block = fwd[2] - fwd[1]
     assert per_block > 0
     # units 0 and 1 are gathered before unit 0 computes; unit i+1's gather comes after unit i-1's
     # matmuls and before unit i's
-    assert fwd == [0, 0, per_block, 2 * per_block]
+    assert fwd == [0, 0, *(k * per_block for k in range(1, n - 1))]
     # backward: unit i's gradients are reduce-scattered after its backward matmuls and before
     # unit i-1's: equal spacing, one unit's matmuls apart
     bwd = [before(s) for s in scatters]
@@ -234,7 +234,7 @@ def test_schedule_gathers_one_unit_ahead_and_scatters_behind(mesh):
     assert len(steps) == 1 and steps.pop() > 0
     assert bwd[-1] == len(matmuls)  # the last scatter follows the last block's matmuls
     # and each backward re-gather of the next unit comes before the current unit's matmuls
-    bwd_gathers = [before(g) for g in gathers[4:]]
+    bwd_gathers = [before(g) for g in gathers[n:]]
     assert bwd_gathers[0] == bwd_gathers[1] < bwd[0]
 
 
