@@ -20,6 +20,7 @@ from support.reference import LOSS_RTOL, assert_params_close, train_single_devic
 
 from jaxdist.ddp.run import DDP
 from jaxdist.engine.fsdp import FSDP, Units
+from jaxdist.engine.run import Parallel
 from jaxdist.models.gpt import GPT, GPTConfig, embed_inputs, head_loss, next_token_loss
 
 UNITS = Units(embed_inputs, head_loss)
@@ -236,6 +237,21 @@ def test_schedule_gathers_one_unit_ahead_and_scatters_behind(mesh):
     # and each backward re-gather of the next unit comes before the current unit's matmuls
     bwd_gathers = [before(g) for g in gathers[n:]]
     assert bwd_gathers[0] == bwd_gathers[1] < bwd[0]
+
+
+def test_deeper_prefetch_needs_a_buffer_more_and_gathers_further_ahead(mesh):
+    """No third buffer (docs/design.md, the second failure): the pipelined loop's carry holds `prefetch` in-flight
+    units, so prefetch=2 needs buffers=3 (asking for it with 2 raises) and then gathers blocks 0, 1 and 2 before
+    block 0 runs."""
+    with pytest.raises(ValueError, match="raise buffers to 3"):
+        Parallel(mesh, prefetch=2)
+    # the program of test_matches_single_device_and_ddp[reshard-3]: compiled once per test run
+    run = FSDP(mesh, buffers=3, prefetch=2).prepare(GPT(CFG, nnx.Rngs(0)), optax.adam(1e-3), UNITS, batches(1)[0])
+    sched = entry_schedule(run.step.lower(run.state, batches(1)[0]).compile().as_text())
+    matmuls = positions(sched, "matmul")
+    gathers = positions(sched, "all-gather", f"f32[8,{block_size(run) // 8}]")
+    before = [sum(m < g for m in matmuls) for g in gathers[:4]]
+    assert before[:3] == [0, 0, 0] and before[3] > 0, before
 
 
 @pytest.mark.parametrize(
