@@ -237,7 +237,7 @@ def per_rank_reference(make_model, loss_fn, batches, lr: float, accumulation: in
         m = nnx.merge(graphdef, p, jax.tree.unflatten(rest_def, rest_leaves))
         return loss_fn(m, local), nnx.split(m, nnx.Param, ...)[2]
 
-    grad_fn = jax.value_and_grad(local_loss, has_aux=True)
+    grad_fn = jax.jit(jax.value_and_grad(local_loss, has_aux=True))  # one compile, not one per op
 
     def mean(*xs):
         return sum(xs) / len(xs)
