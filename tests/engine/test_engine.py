@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from support import layouts
 from support.hlo_schedule import entry_schedule, positions
 from support.meshes import cpu_mesh
 from support.models import GPT_CFG, MLP_PLAN, MLP_UNITS, ResMLP, gpt_batches, mlp_batches, mlp_loss
@@ -222,15 +223,17 @@ def _gathers(text: str, size: int) -> int:
 
 
 def test_remat_issues_no_second_gather():
-    mesh = cpu_mesh((2, 4), ("dp", "tp"))
+    # the dp4xtp2 checkpoint layout's model, optimizer and batch (support/layouts.py): without remat, the
+    # program the canonical-state and checkpoint tests train (remat=False keeps, as ZeRO-1's default does)
+    mesh = cpu_mesh((4, 2), ("dp", "tp"))
     counts = {}
     for remat in (True, False):
-        run = Parallel(mesh, plan=tp_plan_for(GPT_CFG), remat=remat).prepare(
-            GPT(GPT_CFG, nnx.Rngs(0)), adamw(), UNITS, gpt_batches(1)[0]
+        run = Parallel(mesh, plan=layouts.PLAN, remat=remat).prepare(
+            layouts.make_model(), layouts.OPTIMIZER, UNITS, layouts.DATA[0]
         )
-        text = run.step.lower(run.state, gpt_batches(1)[0]).compile().as_text()
-        counts[remat] = sum(1 for line in text.splitlines() if " all-gather(" in line and "f32[2," in line)
-    # embed, 2 blocks, head: one gather each, with or without remat
+        text = run.step.lower(run.state, layouts.DATA[0]).compile().as_text()
+        counts[remat] = sum(1 for line in text.splitlines() if " all-gather(" in line and "f32[4," in line)
+    # embed, 2 blocks, head: one ZeRO-1 gather over dp each, with or without remat
     assert counts[True] == counts[False] == 4, counts
 
 
