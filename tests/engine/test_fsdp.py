@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from support import layouts
 from support.hlo_schedule import entry_schedule, positions
 from support.meshes import cpu_mesh
 from support.reference import LOSS_RTOL, assert_params_close, train_single_device
@@ -115,12 +116,19 @@ def test_update_in_backward_matches_the_ordinary_update(mesh, references):
     assert_params_close(params, ref_params)
 
 
-def test_hsdp_shards_over_fsdp_and_replicates_over_dp(references):
+def test_hsdp_shards_over_fsdp_and_replicates_over_dp():
+    # the hsdp2x4 checkpoint layout's model, optimizer and batches (support/layouts.py): FSDP's HSDP compiles
+    # that layout's program, and the single-device run is test_canonical's, each compiled once per test run
     mesh = cpu_mesh((2, 4), ("dp", "fsdp"))
-    losses, params, run, state = run_fsdp(FSDP(mesh, dp_axis="dp"), CFG, batches(STEPS))
-    ref_losses, ref_params, *_ = references["single"]
+    data = layouts.DATA[: layouts.SPLIT]
+    run = FSDP(mesh, dp_axis="dp").prepare(layouts.make_model(), layouts.OPTIMIZER, UNITS, data[0])
+    state, losses = run.state, []
+    for batch in data:
+        state, m = run.step(state, batch)
+        losses.append(float(m["loss"]))
+    ref_losses, ref_params, *_ = train_single_device(layouts.make_model, next_token_loss, data, layouts.OPTIMIZER)
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
-    assert_params_close(params, ref_params)
+    assert_params_close(run.params(state), ref_params)
     # every parameter in its own shape, split 4 ways over fsdp, the same on both dp rows
     for x in jax.tree.leaves(state.params):
         shards = x.addressable_shards
