@@ -38,13 +38,18 @@ MESHES = {
 }
 
 
+# AdamW on a schedule, support/layouts.py's: the untied GPT on dp x fsdp x tp is then the program of that
+# checkpoint layout (fsdp-tp2x2x2), and its single-device run test_canonical's, each compiled once per test run
+GPT_OPTIMIZER = layouts.OPTIMIZER
+
+
 @pytest.fixture(scope="module")
 def gpt_reference():
     out = {}
     for tie in (False, True):
         cfg = dataclasses.replace(GPT_CFG, tie_embeddings=tie)
         out[tie] = train_single_device(
-            lambda cfg=cfg: GPT(cfg, nnx.Rngs(0)), next_token_loss, gpt_batches(STEPS), adamw()
+            lambda cfg=cfg: GPT(cfg, nnx.Rngs(0)), next_token_loss, gpt_batches(STEPS), GPT_OPTIMIZER
         )
     return out
 
@@ -71,7 +76,7 @@ def test_gpt_matches_single_device(gpt_reference, mesh_name, seqpar):
     tie = mesh_name == "dp4xtp2"  # the tied head (vocab-parallel attend) on one mesh
     cfg = dataclasses.replace(GPT_CFG, tie_embeddings=tie)
     strategy = Parallel(cpu_mesh(shape, names), plan=tp_plan_for(cfg), sequence_parallel=seqpar)
-    losses, params, *_ = engine_run(strategy, lambda: GPT(cfg, nnx.Rngs(0)), UNITS, gpt_batches(STEPS), adamw())
+    losses, params, *_ = engine_run(strategy, lambda: GPT(cfg, nnx.Rngs(0)), UNITS, gpt_batches(STEPS), GPT_OPTIMIZER)
     ref_losses, ref_params, _, _ = gpt_reference[tie]
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     assert_params_close(params, ref_params)
