@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from support.trainer_runs import BASE as TRAIN_BASE
 
 from jaxdist.train import config as config_lib
@@ -20,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 BASE = [*TRAIN_BASE, "optim.decay_steps=6"]
 
 
+@pytest.mark.long  # two launches of 2 processes: its file starts first, not last (tests/conftest.py)
 def test_two_process_checkpoint_resumes_in_one_process_on_another_layout(tmp_path):
     whole = train(
         config_lib.load(
