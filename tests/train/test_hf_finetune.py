@@ -163,8 +163,8 @@ def test_a_directory_without_config_json_is_refused(tmp_path):
 
 def test_a_gpt_run_has_no_hugging_face_export(tmp_path):
     run = tmp_path / "gpt"
-    tiny = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "run.steps=1"]
-    train(config_lib.load(None, ["data.source=synthetic", f"run.out_dir={run}", *SHORT, *tiny]))
+    # the tiny GPT, one step of 8 rows: the program of the other batch-8 tiny runs (test_metrics_rows.py)
+    train(config_lib.load(None, ["data.source=synthetic", f"run.out_dir={run}", *SHORT, "run.steps=1"]))
     with pytest.raises(CheckpointError, match="trained a gpt model, which has no Hugging Face architecture"):
         export_hf(run, tmp_path / "out")
 
