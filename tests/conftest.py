@@ -43,10 +43,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"needs 2+ GPUs, found {gpus}"))
         elif "gpu" in item.keywords and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a GPU"))
-    # Files of more slow tests first, then files of more tests first (a file stays whole and in order).
-    # Under `-n 2 --dist loadfile --no-loadscope-reorder` workers take files in this order, so the
+    # Files of more slow (or long) tests first, then files of more tests first (a file stays whole and in
+    # order). Under `-n 2 --dist loadfile --no-loadscope-reorder` workers take files in this order, so the
     # minutes-long files start at once instead of ending the run on one worker.
-    slow = collections.Counter(item.path for item in items if "slow" in item.keywords)
+    slow = collections.Counter(item.path for item in items if "slow" in item.keywords or "long" in item.keywords)
     count = collections.Counter(item.path for item in items)
     items.sort(key=lambda item: (-slow[item.path], -count[item.path]))
 

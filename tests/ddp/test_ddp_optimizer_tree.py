@@ -84,7 +84,7 @@ MESHES = {"dp8": ((8,), ("dp",)), "dp4x2": ((4, 2), ("dp", "x")), "dp1": ((1,), 
 
 def unclipped_norm(batches) -> float:
     graphdef, params, rest = nnx.split(Net(nnx.Rngs(0)), nnx.Param, ...)
-    grads = jax.grad(lambda p: net_loss(nnx.merge(graphdef, p, rest), batches[0]))(params)
+    grads = jax.jit(jax.grad(lambda p: net_loss(nnx.merge(graphdef, p, rest), batches[0])))(params)  # one compile
     return float(optax.tree.norm(grads))
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from support import layouts
 from support.hlo_schedule import entry_schedule, positions
 from support.meshes import cpu_mesh
 from support.models import GPT_CFG, MLP_PLAN, MLP_UNITS, ResMLP, gpt_batches, mlp_batches, mlp_loss
@@ -37,13 +38,18 @@ MESHES = {
 }
 
 
+# AdamW on a schedule, support/layouts.py's: the untied GPT on dp x fsdp x tp is then the program of that
+# checkpoint layout (fsdp-tp2x2x2), and its single-device run test_canonical's, each compiled once per test run
+GPT_OPTIMIZER = layouts.OPTIMIZER
+
+
 @pytest.fixture(scope="module")
 def gpt_reference():
     out = {}
     for tie in (False, True):
         cfg = dataclasses.replace(GPT_CFG, tie_embeddings=tie)
         out[tie] = train_single_device(
-            lambda cfg=cfg: GPT(cfg, nnx.Rngs(0)), next_token_loss, gpt_batches(STEPS), adamw()
+            lambda cfg=cfg: GPT(cfg, nnx.Rngs(0)), next_token_loss, gpt_batches(STEPS), GPT_OPTIMIZER
         )
     return out
 
@@ -70,7 +76,7 @@ def test_gpt_matches_single_device(gpt_reference, mesh_name, seqpar):
     tie = mesh_name == "dp4xtp2"  # the tied head (vocab-parallel attend) on one mesh
     cfg = dataclasses.replace(GPT_CFG, tie_embeddings=tie)
     strategy = Parallel(cpu_mesh(shape, names), plan=tp_plan_for(cfg), sequence_parallel=seqpar)
-    losses, params, *_ = engine_run(strategy, lambda: GPT(cfg, nnx.Rngs(0)), UNITS, gpt_batches(STEPS), adamw())
+    losses, params, *_ = engine_run(strategy, lambda: GPT(cfg, nnx.Rngs(0)), UNITS, gpt_batches(STEPS), GPT_OPTIMIZER)
     ref_losses, ref_params, _, _ = gpt_reference[tie]
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     assert_params_close(params, ref_params)
@@ -222,18 +228,23 @@ def _gathers(text: str, size: int) -> int:
 
 
 def test_remat_issues_no_second_gather():
-    mesh = cpu_mesh((2, 4), ("dp", "tp"))
+    # the dp4xtp2 checkpoint layout's model, optimizer and batch (support/layouts.py): without remat, the
+    # program the canonical-state and checkpoint tests train (remat=False keeps, as ZeRO-1's default does)
+    mesh = cpu_mesh((4, 2), ("dp", "tp"))
     counts = {}
     for remat in (True, False):
-        run = Parallel(mesh, plan=tp_plan_for(GPT_CFG), remat=remat).prepare(
-            GPT(GPT_CFG, nnx.Rngs(0)), adamw(), UNITS, gpt_batches(1)[0]
+        run = Parallel(mesh, plan=layouts.PLAN, remat=remat).prepare(
+            layouts.make_model(), layouts.OPTIMIZER, UNITS, layouts.DATA[0]
         )
-        text = run.step.lower(run.state, gpt_batches(1)[0]).compile().as_text()
-        counts[remat] = sum(1 for line in text.splitlines() if " all-gather(" in line and "f32[2," in line)
-    # embed, 2 blocks, head: one gather each, with or without remat
+        text = run.step.lower(run.state, layouts.DATA[0]).compile().as_text()
+        counts[remat] = sum(1 for line in text.splitlines() if " all-gather(" in line and "f32[4," in line)
+    # embed, 2 blocks, head: one ZeRO-1 gather over dp each, with or without remat
     assert counts[True] == counts[False] == 4, counts
 
 
+# the same schedule over fsdp is checked in the fast run on FSDP's 5-block parity program, with the backward
+# scatters: tests/engine/test_fsdp.py::test_schedule_gathers_one_unit_ahead_and_scatters_behind
+@pytest.mark.slow
 def test_zero3_gathers_again_for_backward_and_ahead_of_use():
     """Over fsdp each block is gathered for forward and again for backward, one block ahead:
     blocks 0 and 1 are both gathered before block 0's first matmul (the carry holds one
@@ -250,21 +261,7 @@ def test_zero3_gathers_again_for_backward_and_ahead_of_use():
     assert before[0] == before[1] == 0 and before[2] > 0, before
 
 
-def test_deeper_prefetch_needs_a_buffer_more_and_gathers_further_ahead():
-    """No third buffer (docs/design.md, the second failure): the pipelined loop's carry holds `prefetch` in-flight
-    units, so prefetch=2 needs buffers=3 (asking for it with 2 raises) and then gathers blocks 0, 1 and 2 before
-    block 0 runs."""
-    mesh = cpu_mesh((8,), ("fsdp",))
-    with pytest.raises(ValueError, match="raise buffers to 3"):
-        Parallel(mesh, prefetch=2)
-    cfg = dataclasses.replace(GPT_CFG, n_layers=4)
-    run = Parallel(mesh, buffers=3, prefetch=2).prepare(GPT(cfg, nnx.Rngs(0)), adamw(), UNITS, gpt_batches(1)[0])
-    sched = entry_schedule(run.step.lower(run.state, gpt_batches(1)[0]).compile().as_text())
-    matmuls = positions(sched, "matmul")
-    block = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(GPT(cfg, nnx.Rngs(0)).blocks[0], nnx.Param)))
-    gathers = positions(sched, "all-gather", f"f32[8,{block // 8}]")
-    before = [sum(m < g for m in matmuls) for g in gathers[:4]]
-    assert before[:3] == [0, 0, 0] and before[3] > 0, before
+# a deeper prefetch (buffers=3, prefetch=2): tests/engine/test_fsdp.py, on the program of its reshard-3 parity run
 
 
 def test_tp_runs_the_models_own_forward_in_its_dtype():

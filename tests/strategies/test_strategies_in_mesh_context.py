@@ -1,10 +1,15 @@
 """Every strategy prepares, steps, and converts its state inside a user's `jax.set_mesh` context (how JAX
 tells users to write sharded code): of the strategy's own mesh with Explicit axes (JAX 0.10's default)
 or Auto axes, and of another mesh. Each run is compared with a single-device optax run (SGD with
-momentum, whose state a sharded `init` builds: losses, gradient norm, final parameters), and some with
-the same strategy run outside any context (bitwise: the context must not change the program)."""
+momentum or AdamW, whose state a sharded `init` builds: losses, gradient norm, final parameters), and
+some with the same strategy run outside any context (bitwise: the context must not change the program).
+
+The model, batch shape, strategies and optimizers of ZeRO-1, FSDP and the pipeline are those of the
+docs' guides (docs/guides/ddp.md, fsdp.md, pipeline.md): the same programs, compiled once per test run
+(tests/docs/test_docs_snippets.py runs the guides' snippets as written, reading them from the cache)."""
 
 import contextlib
+import functools
 
 import jax
 import numpy as np
@@ -22,39 +27,42 @@ from jaxdist.models.gpt import GPT, UNITS, GPTConfig, next_token_loss, tp_plan_f
 from jaxdist.pipeline.run import Pipelined
 
 STEPS = 2
-CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)
+CFG = GPTConfig(vocab_size=16, seq_len=8, d_model=16, n_heads=2, n_layers=2)
 
 
 def make_model():
     return GPT(CFG, nnx.Rngs(0))
 
 
-def optimizer():
-    return optax.sgd(0.1, momentum=0.9)
+OPTIMIZERS = {
+    "sgd-momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "adamw-3e-4": lambda: optax.adamw(3e-4),  # docs/guides/ddp.md's and fsdp.md's
+    "adamw-1e-3": lambda: optax.adamw(1e-3),  # docs/guides/pipeline.md's
+}
 
 
 def batches():
     rng = np.random.default_rng(0)
-    return [{"tokens": rng.integers(0, 32, (8, 9)).astype(np.int32)} for _ in range(STEPS)]
+    return [{"tokens": rng.integers(0, 16, (8, 9)).astype(np.int32)} for _ in range(STEPS)]
 
 
 def auto(mesh):
     return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
-# name: (the strategy's mesh shape and names, strategy on a mesh)
+# name: (the strategy's mesh shape and names, strategy on a mesh, optimizer)
 STRATEGIES = {
-    "ddp": (((8,), ("dp",)), lambda mesh: DDP(mesh, bucket_size=2000)),
-    "zero1": (((8,), ("dp",)), lambda mesh: DDP(mesh, zero1=True, bucket_size=2000)),
-    "engine-dp": (((8,), ("dp",)), lambda mesh: Parallel(mesh, zero1=False)),
-    "fsdp": (((8,), ("fsdp",)), lambda mesh: FSDP(mesh)),
-    "tp": (((4, 2), ("dp", "tp")), lambda mesh: Parallel(mesh, plan=tp_plan_for(CFG))),
-    "pipeline": (((2, 4), ("pp", "dp")), lambda mesh: Pipelined(mesh, microbatches=2)),
+    "ddp": (((8,), ("dp",)), lambda mesh: DDP(mesh, bucket_size=2000), "sgd-momentum"),  # several buckets
+    "zero1": (((8,), ("dp",)), lambda mesh: DDP(mesh, zero1=True, bucket_size=10_000), "adamw-3e-4"),
+    "engine-dp": (((8,), ("dp",)), lambda mesh: Parallel(mesh, zero1=False), "sgd-momentum"),
+    "fsdp": (((8,), ("fsdp",)), lambda mesh: FSDP(mesh, buffers=2), "adamw-3e-4"),
+    "tp": (((4, 2), ("dp", "tp")), lambda mesh: Parallel(mesh, plan=tp_plan_for(CFG)), "sgd-momentum"),
+    "pipeline": (((2, 4), ("pp", "dp")), lambda mesh: Pipelined(mesh, microbatches=2, schedule="1f1b"), "adamw-1e-3"),
 }
 
 
 def strategy_mesh(name: str, axis_types: str):
-    (shape, names), _ = STRATEGIES[name]
+    (shape, names), _, _ = STRATEGIES[name]
     mesh = cpu_mesh(shape, names)  # Explicit axes
     return auto(mesh) if axis_types == "auto" else mesh
 
@@ -62,13 +70,14 @@ def strategy_mesh(name: str, axis_types: str):
 def train(name: str, mesh, context_mesh=None):
     """Prepare and train inside `jax.set_mesh(context_mesh)` (none: outside any context); returns the
     losses, gradient norms, final parameters, and the run and state."""
-    strategy = STRATEGIES[name][1](mesh)
+    _, make, opt = STRATEGIES[name]
+    strategy = make(mesh)
     context = jax.set_mesh(context_mesh) if context_mesh is not None else contextlib.nullcontext()
     with context:
         if isinstance(strategy, DDP):
-            run = strategy.prepare(make_model(), optimizer(), next_token_loss, batches()[0])
+            run = strategy.prepare(make_model(), OPTIMIZERS[opt](), next_token_loss, batches()[0])
         else:
-            run = strategy.prepare(make_model(), optimizer(), UNITS, batches()[0])
+            run = strategy.prepare(make_model(), OPTIMIZERS[opt](), UNITS, batches()[0])
         state, losses, norms = run.state, [], []
         for batch in batches():
             state, metrics = run.step(state, batch)
@@ -79,10 +88,15 @@ def train(name: str, mesh, context_mesh=None):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """Single-device optax: losses, gradient norms and final parameters."""
-    losses, params, norms, _ = train_single_device(make_model, next_token_loss, batches(), optimizer())
-    return losses, norms, params
+def references():
+    """`get(optimizer)`: single-device optax: losses, gradient norms and final parameters."""
+
+    @functools.cache
+    def get(opt: str):
+        losses, params, norms, _ = train_single_device(make_model, next_token_loss, batches(), OPTIMIZERS[opt]())
+        return losses, norms, params
+
+    return get
 
 
 def assert_matches_reference(result, reference):
@@ -124,13 +138,13 @@ def inside_own_mesh():
 
 
 @pytest.mark.parametrize(("name", "axis_types", "context"), CASES, ids=["-".join(c) for c in CASES])
-def test_trains_inside_a_mesh_context(name, axis_types, context, reference, inside_own_mesh):
+def test_trains_inside_a_mesh_context(name, axis_types, context, references, inside_own_mesh):
     if (axis_types, context) == ("explicit", "same"):
         result = inside_own_mesh(name)
     else:
         mesh = strategy_mesh(name, axis_types)
         result = train(name, mesh, mesh if context == "same" else other_mesh())
-    assert_matches_reference(result, reference)
+    assert_matches_reference(result, references(STRATEGIES[name][2]))
 
 
 @pytest.mark.parametrize("name", ["zero1", "tp", "pipeline"])

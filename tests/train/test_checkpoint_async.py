@@ -3,15 +3,15 @@ the state and the arrays handed to it are deleted before the write finishes."""
 
 import jax
 import numpy as np
-import optax
-from support.layouts import LAYOUTS, batches, make_model
+from support.layouts import LAYOUTS, OPTIMIZER, batches, make_model
 
 from jaxdist.train.checkpoint import Checkpoints
 
 
 def test_the_saved_values_are_the_steps_even_when_its_buffers_are_donated_and_deleted(tmp_path):
     data = batches(2)
-    run = LAYOUTS["zero1-8"](make_model(), optax.adam(1e-2), data[0])
+    # the zero1-8 checkpoint layout as test_canonical trains it: its program, compiled once per test run
+    run = LAYOUTS["zero1-8"](make_model(), OPTIMIZER, data[0])
     state, _ = run.step(run.state, data[0])
     canonical = run.canonical(state)
     expected = jax.tree.map(np.asarray, canonical)

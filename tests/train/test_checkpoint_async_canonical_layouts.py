@@ -5,9 +5,8 @@ reference is a host copy taken before the next step."""
 
 import jax
 import numpy as np
-import optax
 import pytest
-from support.layouts import LAYOUTS, batches, make_model
+from support.layouts import LAYOUTS, OPTIMIZER, batches, make_model
 
 from jaxdist.train.checkpoint import Checkpoints
 
@@ -15,7 +14,8 @@ from jaxdist.train.checkpoint import Checkpoints
 @pytest.mark.parametrize("layout", ["ddp8"])  # the layout whose canonical arrays may be the state's own
 def test_the_saved_values_are_the_steps_while_the_next_steps_donate_the_state(tmp_path, layout):
     data = batches(3)
-    run = LAYOUTS[layout](make_model(), optax.sgd(0.5, momentum=0.9), data[0])
+    # the checkpoint layout as test_canonical trains it: its program, compiled once per test run
+    run = LAYOUTS[layout](make_model(), OPTIMIZER, data[0])
     state, _ = run.step(run.state, data[0])
     canonical = run.canonical(state)
     expected = jax.tree.map(np.asarray, canonical)

@@ -23,6 +23,9 @@ ARGS = [
     "run.progress=false",
     "optim.warmup_steps=2",
     "run.steps=10",
+    # a 4-step schedule (then its final rate): the program of the other 4-step tiny runs (the schedule's
+    # length is compiled in), compiled once per test run; the subprocesses read it from the shared cache
+    "optim.decay_steps=4",
     "run.checkpoint_every=1",
     "run.keep_checkpoints=2",
 ]

@@ -2,16 +2,16 @@
 the target's canonical shardings (each device reads its shard), and the conversion to the run's own
 layout (from_canonical) is a resharding whose buffers are per-device shares.
 
-Measured on the tiny GPT with Adam (state 361,736 bytes; 1/8 = 45,217): FSDP over 8 converts with
+Measured on the tiny GPT with Adam (state 361,736 bytes; 1/8 = 45,217; the layouts' scheduled AdamW used
+here adds a 4-byte count): FSDP over 8 converts with
 arguments 45,224 / outputs 45,960 / temporaries 0 bytes per device; FSDP x TP 2x2x2 (state split 4
 ways, replicated over dp) 93,320 / 94,056 / 19,204 (the fused q/k/v reorder, on shares).
 """
 
 import jax
 import numpy as np
-import optax
 import pytest
-from support.layouts import LAYOUTS, batches, make_model
+from support.layouts import LAYOUTS, OPTIMIZER, batches, make_model
 
 from jaxdist.train.checkpoint import Checkpoints
 
@@ -28,7 +28,8 @@ def conversion_memory(run):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     data = batches(1)
-    run = LAYOUTS["ddp8"](make_model(), optax.adam(1e-2), data[0])
+    # the ddp8 checkpoint layout as test_canonical trains it (AdamW): its program, compiled once per test run
+    run = LAYOUTS["ddp8"](make_model(), OPTIMIZER, data[0])
     state, _ = run.step(run.state, data[0])
     ckpt = Checkpoints(tmp_path_factory.mktemp("saved"), keep=1)
     ckpt.save(1, run.canonical(state), {})
@@ -39,7 +40,7 @@ def saved(tmp_path_factory):
 
 @pytest.mark.parametrize(("layout", "ways"), [("fsdp8", 8), ("fsdp-tp2x2x2", 4), ("zero1-8", 8)])
 def test_restore_reads_and_converts_per_device_shares_only(saved, layout, ways):
-    run = LAYOUTS[layout](make_model(), optax.adam(1e-2), batches(1)[0])
+    run = LAYOUTS[layout](make_model(), OPTIMIZER, batches(1)[0])
     total = state_bytes(run.canonical_target())
     share = total / ways
     restored = saved.restore(1, run.canonical_target())
@@ -59,5 +60,5 @@ def test_restore_reads_and_converts_per_device_shares_only(saved, layout, ways):
 
 def test_the_measure_sees_a_whole_copy():
     """The control: a replicated layout (engine DP) does hold the whole state on every device."""
-    run = LAYOUTS["engine-dp8"](make_model(), optax.adam(1e-2), batches(1)[0])
+    run = LAYOUTS["engine-dp8"](make_model(), OPTIMIZER, batches(1)[0])
     assert conversion_memory(run).output_size_in_bytes >= state_bytes(run.canonical_target())

@@ -9,15 +9,19 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from support.trainer_runs import BASE as TRAIN_BASE
 
 from jaxdist.train import config as config_lib
 from jaxdist.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[2]
-BASE = [*TRAIN_BASE, "optim.decay_steps=4"]  # the schedule of the whole run also for the 2-step first part
+# the schedule of the whole run also for the 2-step first part; 6 steps long, as tests/train/test_train.py's
+# dp x tp runs (the schedule is compiled in): the one-process dp x tp runs here are that program, compiled once
+BASE = [*TRAIN_BASE, "optim.decay_steps=6"]
 
 
+@pytest.mark.long  # two launches of 2 processes: its file starts first, not last (tests/conftest.py)
 def test_two_process_checkpoint_resumes_in_one_process_on_another_layout(tmp_path):
     whole = train(
         config_lib.load(

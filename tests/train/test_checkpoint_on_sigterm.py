@@ -9,14 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support.trainer_runs import BASE
+
 from jaxdist.train.checkpoint import CHECKSUMS
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("slow_final_save_driver.py")
 ARGS = [
-    "model.flavor=tiny",
-    "data.batch_size=16",
-    "run.progress=false",
+    *BASE,  # support.trainer_runs' tiny settings: the program other tests compile, from the test run's cache
     "run.steps=2",
     "run.checkpoint_every=0",  # only the final save
 ]

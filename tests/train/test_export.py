@@ -42,10 +42,11 @@ def test_init_from_starts_a_new_run_from_exported_parameters(tmp_path):
     # test_train's settings: the 2-step run is a program of tests/train/test_train_run.py (its second step learns)
     train(config_lib.load(None, [*BASE, "run.steps=2", f"run.out_dir={tmp_path / 'a'}"]))
     assert main(["export", str(tmp_path / "a"), str(tmp_path / "a.params")]) == 0
-    # one step, whose learning rate is the warmup's first, 0 (optim.lr itself must be > 0): the new run's
-    # checkpoint holds exactly the parameters it started from
+    # one step, whose learning rate is the warmup's first, exactly 0 (the schedule starts at 0; no weight
+    # decay): the new run's checkpoint holds exactly the parameters it started from. The settings of the
+    # 2-step run above: one compiled program
     init_from = f"run.init_from={tmp_path / 'a.params'}"
-    over = [*BASE, "run.steps=1", "optim.lr=1e-30", init_from, f"run.out_dir={tmp_path / 'b'}"]
+    over = [*BASE, "run.steps=1", init_from, f"run.out_dir={tmp_path / 'b'}"]
     train(config_lib.load(None, over))
     assert main(["export", str(tmp_path / "b"), str(tmp_path / "b.params")]) == 0
     a, b = (ocp.StandardCheckpointer().restore(tmp_path / n) for n in ("a.params", "b.params"))

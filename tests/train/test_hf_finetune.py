@@ -127,7 +127,9 @@ def test_a_gemma3_checkpoint_round_trips_through_fsdp_training(tmp_path, monkeyp
     # keys jaxdist does not model: generation's token ids and the context the RoPE was made for
     source = {**hf_configs.GEMMA3, "bos_token_id": 2, "eos_token_id": [1, 106], "max_position_embeddings": 4096}
     start = hf_reference.write_checkpoint(tmp_path / "gemma3", source, hf_reference.random_weights(source))
-    layout = ["parallel.fsdp=4", "data.source=synthetic"]
+    # model.seq_len: a run takes the checkpoint's context (4096 here) unless told; 32 tokens train as well, and
+    # the export keeps the checkpoint's longer max_position_embeddings (checked below)
+    layout = ["parallel.fsdp=4", "data.source=synthetic", "model.seq_len=32"]
     written, _ = exported_after_one_step(start, tmp_path, layout, monkeypatch)
     original = load_file(start / "model.safetensors")
     assert written.keys() == original.keys()
@@ -161,8 +163,8 @@ def test_a_directory_without_config_json_is_refused(tmp_path):
 
 def test_a_gpt_run_has_no_hugging_face_export(tmp_path):
     run = tmp_path / "gpt"
-    tiny = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "run.steps=1"]
-    train(config_lib.load(None, ["data.source=synthetic", f"run.out_dir={run}", *SHORT, *tiny]))
+    # the tiny GPT, one step of 8 rows: the program of the other batch-8 tiny runs (test_metrics_rows.py)
+    train(config_lib.load(None, ["data.source=synthetic", f"run.out_dir={run}", *SHORT, "run.steps=1"]))
     with pytest.raises(CheckpointError, match="trained a gpt model, which has no Hugging Face architecture"):
         export_hf(run, tmp_path / "out")
 

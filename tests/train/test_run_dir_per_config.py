@@ -15,12 +15,14 @@ from jaxdist.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "jaxdist/train/configs/tiny.toml"
-# small and short: what is checked is where each command reads and writes, not the training
+# small and short: what is checked is where each command reads and writes, not the training. The tiny
+# flavor's sizes (tiny.toml's are larger) and 8 rows: the program of the other short tiny runs (e.g.
+# tests/train/test_metrics_rows.py), compiled once per test run
 CHEAP = [
     "run.steps=1",
-    "model.n_layers=1",
-    "model.d_model=32",
-    "model.n_heads=2",
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.n_heads=4",
     "parallel.tp=1",
     "data.batch_size=8",
     "run.eval_every=0",
@@ -70,10 +72,10 @@ def test_another_models_checkpoint_names_each_difference_on_one_line(tmp_path):
     small = ["data.source=synthetic", *CHEAP, f"run.out_dir={out}"]
     train(config_lib.load(None, [*small, "model.vocab_size=256"]))
     with pytest.raises(ConfigError) as e:
-        train(config_lib.load(None, [*small, "model.vocab_size=512", "model.n_layers=2"]))
+        train(config_lib.load(None, [*small, "model.vocab_size=512", "model.n_layers=3"]))
     message = str(e.value)
     assert "\n" not in message
     assert f"the checkpoint in {out / 'checkpoints'} is for another model (saved vs now: " in message
-    assert "model.n_layers 1 vs 2, model.vocab_size 256 vs 512)" in message
+    assert "model.n_layers 2 vs 3, model.vocab_size 256 vs 512)" in message
     assert "d_model" not in message  # only what differs, not the whole saved config
     assert "run.out_dir" in message and "run.overwrite=true" in message

@@ -8,13 +8,14 @@ import types
 from pathlib import Path
 
 import pytest
+from support.trainer_runs import BASE
 
 from jaxdist.train import memory
 from jaxdist.train.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
-TRAIN = [sys.executable, "-m", "jaxdist.train.cli", "train", "model.flavor=tiny", "data.batch_size=16"]
-TRAIN += ["run.steps=2", "run.progress=false", "run.log_every=1"]
+# support.trainer_runs' tiny settings: the program other tests compile, from the test run's compilation cache
+TRAIN = [sys.executable, "-m", "jaxdist.train.cli", "train", *BASE, "run.steps=2"]
 
 
 def analysis(arguments: int, outputs: int, temporaries: int, donated: int):

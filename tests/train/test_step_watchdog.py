@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.trainer_runs import BASE
 
 from jaxdist.train.step_watchdog import EXIT_CODE, StepWatchdog
 
@@ -92,18 +93,19 @@ def test_a_rank_stuck_in_a_step_ends_both_processes_naming_the_step(tmp_path):
 
 
 def test_the_trainer_ends_a_run_whose_step_passes_run_step_timeout_s(tmp_path):
-    # the first step compiles the model: far longer than 0.2 s (so not from the test run's compilation cache)
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    overrides = ["model.flavor=tiny", "data.batch_size=16", "run.progress=false", "run.steps=3"]
-    cmd = [sys.executable, "-m", "jaxdist.train.cli", "train", *overrides, f"run.out_dir={tmp_path}"]
+    # the step is compiled before the loop (and the watchdog) starts, here from the test run's compilation
+    # cache; step 0 then runs it and reads its loss back: tens of milliseconds at least (a warm tiny step on
+    # 8 CPU devices takes ~60 ms, the first ~300 ms), far past 10 ms
+    # support.trainer_runs' settings: the program of the other tiny runs of up to 3 steps
+    cmd = [sys.executable, "-m", "jaxdist.train.cli", "train", *BASE, "run.steps=3", f"run.out_dir={tmp_path}"]
     done = subprocess.run(
-        [*cmd, "run.step_timeout_s=0.2"],
+        [*cmd, "run.step_timeout_s=0.01"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
-        env={**env, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert done.returncode == EXIT_CODE, done.stderr[-2000:]
-    assert "jaxdist: step 0 did not finish within 0.2 s" in done.stderr
+    assert "jaxdist: step 0 did not finish within 0.01 s" in done.stderr
     assert list(tmp_path.glob("jaxdist-step-watchdog-p0-pid*.txt"))

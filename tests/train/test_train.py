@@ -38,13 +38,14 @@ def test_resume_continues_with_the_same_losses(tmp_path, parallel):
     assert train(cfg(tmp_path, parallel, "run.steps=6", name="split")) == []  # finished: running again is a no-op
 
 
-def test_restore_onto_another_mesh_gives_the_same_next_loss(tmp_path):
-    tp_run = ["parallel.tp=4", "run.steps=4"]
+def test_restore_onto_another_mesh_gives_the_same_next_losses(tmp_path):
+    # dp=4 x tp=2 over 6 steps: test_resume's program (the schedule's length is compiled in), compiled once
+    tp_run = ["parallel.tp=2", "run.steps=6"]
     reference = train(cfg(tmp_path, *tp_run, "run.checkpoint_every=-1", name="ref"))
-    train(cfg(tmp_path, *tp_run, name="moved"), stop_after=3)  # dp=2 x tp=4, saved at step 3
-    moved = train(cfg(tmp_path, "parallel.tp=1", "parallel.fsdp=8", "run.steps=4", name="moved"))  # FSDP over 8
-    assert len(moved) == 1
-    np.testing.assert_allclose(moved[0], reference[3], rtol=1e-5)
+    train(cfg(tmp_path, *tp_run, name="moved"), stop_after=3)  # dp=4 x tp=2, saved at step 3
+    moved = train(cfg(tmp_path, "parallel.tp=1", "parallel.fsdp=8", "run.steps=6", name="moved"))  # FSDP over 8
+    assert len(moved) == 3
+    np.testing.assert_allclose(moved, reference[3:], rtol=1e-5)
 
 
 # two launched processes train as one in the fast run too: tests/train/test_checkpoint_multiprocess.py

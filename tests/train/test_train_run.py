@@ -29,18 +29,21 @@ def cosine_lr(step: int, decay_steps: int) -> float:
 
 
 def test_raising_run_steps_on_resume_keeps_the_schedule(tmp_path, capsys):
+    # 4 steps: the program of the module's two_checkpoints run (the schedule is compiled in), compiled once
     out = tmp_path / "run"
-    train(cfg(out, "run.steps=6"), stop_after=3)  # a 6-step schedule, saved at step 3
-    train(cfg(out, "run.steps=12"), stop_after=1)  # extended: step 4 still on the 6-step schedule
+    train(cfg(out, "run.steps=4"), stop_after=3)  # a 4-step schedule, saved at step 3
+    train(cfg(out, "run.steps=8"), stop_after=1)  # extended: step 4 still on the 4-step schedule
     assert rows(out)[-1]["step"] == 4
-    assert rows(out)[-1]["lr"] == pytest.approx(cosine_lr(3, decay_steps=6), rel=1e-6)
+    assert rows(out)[-1]["lr"] == pytest.approx(cosine_lr(3, decay_steps=4), rel=1e-6)
+    assert cosine_lr(3, decay_steps=4) != pytest.approx(cosine_lr(3, decay_steps=8), rel=1e-3)  # it tells them apart
     assert "warning" not in capsys.readouterr().err
     # asking for another length is allowed, and said
-    train(cfg(out, "run.steps=12", "optim.decay_steps=12"), stop_after=1)
-    assert "optim.decay_steps changes from 6 to 12: the learning-rate schedule changes from step 4" in (
+    train(cfg(out, "run.steps=8", "optim.decay_steps=8"), stop_after=1)
+    assert "optim.decay_steps changes from 4 to 8: the learning-rate schedule changes from step 4" in (
         capsys.readouterr().err
     )
-    assert rows(out)[-1]["lr"] == pytest.approx(cosine_lr(4, decay_steps=12), rel=1e-6)
+    assert rows(out)[-1]["lr"] == pytest.approx(cosine_lr(4, decay_steps=8), rel=1e-6)
+    assert cosine_lr(4, decay_steps=8) != pytest.approx(cosine_lr(4, decay_steps=4), rel=1e-3)
 
 
 def test_starting_over_needs_overwrite_and_then_replaces_the_run(tmp_path, capsys):

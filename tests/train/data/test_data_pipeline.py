@@ -156,6 +156,7 @@ def test_validation_loss_is_the_mean_cross_entropy_of_the_validation_rows(tmp_pa
     prepare([CORPUS], data_dir, val_fraction=0.5, shard_tokens=700, progress=False)
     out = tmp_path / "run"
     over = ["data.source=shards", f"data.path={data_dir}", "parallel.tp=2", "run.steps=2", "run.eval_every=2"]
+    over += ["optim.decay_steps=6"]  # tests/train/test_train.py's dp x tp program (the schedule is compiled in)
     cfg = config_lib.load(None, [*BASE, *over, "run.eval_batches=3", f"run.out_dir={out}"])
     train(cfg)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -16,7 +16,9 @@ from jaxdist.train.data.sources import CORPUS
 from jaxdist.train.sample import load_run
 from jaxdist.train.trainer import train
 
-BASE = ["model.flavor=tiny", "model.n_layers=1", "run.progress=false", "run.steps=3", "data.source=shards"]
+# the tiny model as the other batch-8 tiny runs train it (tests/train/test_metrics_rows.py): the first part's
+# step is their program, compiled once per test run
+BASE = ["model.flavor=tiny", "run.progress=false", "run.steps=3", "data.source=shards"]
 
 
 def test_a_run_resumed_on_another_layout_and_batch_size_and_moved_data_reads_the_next_samples(
