@@ -81,6 +81,7 @@ def test_the_flight_record_file_lists_the_op_as_started_not_completed(stuck):
     assert record["stuck"] == {"key": comm["key"], "seq": 2}
 
 
+@pytest.mark.slow  # it waits out a hang; the fast run checks that the watchdog ends the same op
 def test_without_the_watchdog_the_same_op_hangs(tmp_path):
     # The switch the watchdog tests rely on: with it off nothing notices, and the
     # driver would wait forever (here: until the bounded subprocess timeout).

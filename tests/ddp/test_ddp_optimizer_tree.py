@@ -88,7 +88,10 @@ def unclipped_norm(batches) -> float:
     return float(optax.tree.norm(grads))
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
+# dp8 with the slow tests: the fast run splits over two mesh axes (dp4x2) and holds all on one device (dp1)
+@pytest.mark.parametrize(
+    "mesh_name", [pytest.param(name, marks=pytest.mark.slow if name == "dp8" else ()) for name in MESHES]
+)
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_zero1_with_a_tree_optimizer_matches_one_device(opt, mesh_name):
     make_optimizer, scale = OPTIMIZERS[opt]

@@ -49,7 +49,22 @@ def test_snippets_left_to_a_dedicated_test_are_run_by_it(page: Path):
         assert page.relative_to(ROOT).as_posix() in (ROOT / runner).read_text(), f"{runner} does not read {page.name}"
 
 
-@pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=lambda p: p.relative_to(ROOT).as_posix())
+# pages whose snippets train what a fast test trains too (the pipeline, the model families, context
+# parallelism: tests/pipeline, tests/models, tests/cp) run with the slow tests; CI runs every page
+SLOW_PAGES = {"docs/guides/pipeline.md", "docs/models.md", "docs/guides/context-parallel.md"}
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param(
+            p,
+            id=p.relative_to(ROOT).as_posix(),
+            marks=pytest.mark.slow if p.relative_to(ROOT).as_posix() in SLOW_PAGES else (),
+        )
+        for p in PAGES_WITH_CODE
+    ],
+)
 def test_page_snippets_run(page: Path, tmp_path):
     script = tmp_path / "snippets.py"
     script.write_text("\n\n".join(python_blocks(page)))

@@ -62,6 +62,8 @@ def test_gpt_sgd_step_and_grad_norm_match_single_device(gpt_sgd_reference, mesh_
 
 
 # AdamW without update_in_backward is the SGD test's program with another optimizer: left out for suite time
+# with the slow tests: update_in_backward trains as one device in the fast run in tests/engine/test_fsdp.py (SGD)
+@pytest.mark.slow
 @pytest.mark.parametrize("update_in_backward", [True], ids=["update-in-backward"])
 def test_gpt_adamw_matches_single_device_through_the_fsdp_wrapper(update_in_backward):
     """HSDP; with update_in_backward each unit is updated as soon as its rebuilt backward reduced it."""

@@ -57,10 +57,11 @@ def stacked_reference():
     )
 
 
-# fsdp8 is slow: in the fast run the stacked layers train over fsdp8 (recomputing) with update_in_backward
-# below, and the list-of-blocks test checks the aux of 8 data ranks
+# the fast run trains the published-style model over dp x fsdp x tp with sequence parallelism, keeping
+# activations; fsdp8 and dp4xtp2 recomputing are slow (recompute over tp: tests/engine/test_engine.py's remat test)
 @pytest.mark.parametrize(
-    "mesh_name", [pytest.param(name, marks=pytest.mark.slow if name == "fsdp8" else ()) for name in MESHES]
+    "mesh_name",
+    [pytest.param(name, marks=pytest.mark.slow if name != "dp2xfsdp2xtp2-seqpar-keep" else ()) for name in MESHES],
 )
 def test_published_style_transformer_matches_single_device(stacked_reference, mesh_name):
     """Stacked local/global GQA layers with RoPE positions and a padding mask as side inputs
@@ -89,6 +90,9 @@ def test_published_style_transformer_matches_single_device(stacked_reference, me
     assert_aux_is_the_single_device_one(metrics[0]["aux"], cfg, data[0], n_data=n_data)
 
 
+# the fast run updates in backward over fsdp in tests/engine/test_fsdp.py (SGD) and stacked layers train over
+# HSDP x TP in tests/strategies/test_odd_models.py
+@pytest.mark.slow
 def test_stacked_layers_update_in_backward_layer_by_layer(stacked_reference):
     """update_in_backward on stacked layers: slice i of every stacked parameter and of its AdamW
     moments is updated as soon as layer i's gradients are reduced, as one device updates them all."""
@@ -135,6 +139,10 @@ def test_plan_from_annotations_places_layers_by_their_axes():
 # -- blocks that differ in static attributes, and the global token mean ---------------------------
 
 
+# with the slow tests: the fast run gives the token mean when ranks count differently in
+# tests/models/test_decoder_strategies.py (packed units) and runs blocks of different kinds in
+# tests/pipeline/test_pipeline_block_kinds.py
+@pytest.mark.slow
 def test_blocks_differing_in_static_attributes_and_padding_give_the_single_device_token_mean():
     """The same model with its layers as a list of blocks alternating sliding-window / global
     attention and RoPE bases (static attributes: each block runs its own code), annotated and

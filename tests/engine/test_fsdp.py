@@ -180,13 +180,9 @@ def memory(mesh):
     out = {}
     for depth in (SHALLOW, DEEP):
         model_cfg = dataclasses.replace(MEM_CFG, n_layers=depth)
-        for name, cfg in {
-            "fsdp": FSDP(mesh),
-            "update_in_backward": FSDP(mesh, update_in_backward=True, skip_nonfinite=False),
-        }.items():
-            run = cfg.prepare(GPT(model_cfg, nnx.Rngs(0)), optax.adam(1e-3), UNITS, batch)
-            out[name, depth] = _temp_bytes(run, batch)
-            out["unit_bytes"] = block_size(run) * 4
+        run = FSDP(mesh).prepare(GPT(model_cfg, nnx.Rngs(0)), optax.adam(1e-3), UNITS, batch)
+        out["fsdp", depth] = _temp_bytes(run, batch)
+        out["unit_bytes"] = block_size(run) * 4
     return out
 
 
@@ -228,8 +224,16 @@ def test_xla_automatic_fsdp_of_the_same_model_keeps_more_per_layer(mesh, memory)
     assert at_depth(memory["fsdp", DEEP], fsdp_per_layer(memory)) < at_depth(auto[DEEP], auto_per_layer), (memory, auto)
 
 
-def test_update_in_backward_temp_memory_does_not_grow_with_depth(memory):
+# two more compiles: with the slow tests (the fast run bounds FSDP's own growth per layer above)
+@pytest.mark.slow
+def test_update_in_backward_temp_memory_does_not_grow_with_depth(mesh):
     """Without the sharded gradients of all units at once, only the saved activations grow."""
+    batch = batches(1)[0]
+    memory = {}
+    for depth in (SHALLOW, DEEP):
+        model = GPT(dataclasses.replace(MEM_CFG, n_layers=depth), nnx.Rngs(0))
+        run = FSDP(mesh, update_in_backward=True, skip_nonfinite=False).prepare(model, optax.adam(1e-3), UNITS, batch)
+        memory["update_in_backward", depth] = _temp_bytes(run, batch)
     growth = memory["update_in_backward", DEEP] - memory["update_in_backward", SHALLOW]
     activations = (DEEP - SHALLOW) * 2 * 16 * 128 * 4
     assert growth <= activations + 0.02 * memory["update_in_backward", SHALLOW], memory
@@ -351,6 +355,10 @@ def param_diffs(a, b) -> np.ndarray:
 BF16_LOSS_RTOL, BF16_PARAM_MEAN_ATOL, BF16_PARAM_ATOL = 5e-7, 1e-7, 2e-4
 
 
+# with the slow tests: the fast run gathers what a bf16 model computes with through the trainer
+# (tests/train/test_train_config.py) and trains bf16 parameters beside float32 ones as one device
+# (tests/strategies/test_mixed_parameter_dtypes.py)
+@pytest.mark.slow
 def test_bf16_compute_matches_a_single_device_bf16_run_and_gathers_bf16(mesh):
     data = batches(3)
     model_cfg = dataclasses.replace(CFG, dtype=None)  # layers compute in their parameters' dtype

@@ -56,6 +56,7 @@ def test_bad_loss_chunk_is_refused():
         step(params)
 
 
+@pytest.mark.slow  # a strategy run; the fast run checks the chunked loss and its gradients against the whole one above
 def test_chunked_loss_trains_as_the_whole_loss_under_the_unit_engine():
     """The head unit under HSDP (dp 2 x fsdp 2): 2 SGD steps, losses and gradient norms as unchunked."""
     import optax

@@ -117,7 +117,14 @@ MLP_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(MLP_CASES))
+# 1F1B with AdamW is the fast run's for the GPT's blocks in tests/pipeline/test_pipeline_block_kinds.py (1f1b-kept)
+# and interleaved under tp in the GPT's tied case above: slow here
+SLOW_MLP_CASES = {"pp2xdp4-1f1b-m4-adamw", "pp2xdp2xtp2-interleaved-v2-m4-recompute-sgd"}
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_MLP_CASES else c for c in MLP_CASES]
+)
 def test_a_model_that_is_not_the_gpt_matches_single_device(case):
     shape, names, blocks, options, optimizer = MLP_CASES[case]
 

@@ -40,7 +40,14 @@ STEPS = 3
             dict(microbatches=4, schedule="gpipe", plan=ODD_PLAN),
             dict(hidden=6, layers=2),
         ),
-        ((2, 4), ("pp", "dp"), dict(microbatches=2, schedule="interleaved", virtual=2), dict(layers=4)),
+        # interleaved trains as one device in the fast run in tests/pipeline/test_pipeline.py (the GPT, tied)
+        pytest.param(
+            (2, 4),
+            ("pp", "dp"),
+            dict(microbatches=2, schedule="interleaved", virtual=2),
+            dict(layers=4),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["pp2xdp4-1f1b", "pp2xfsdp2xtp2-gpipe", "pp2xdp4-interleaved"],
 )

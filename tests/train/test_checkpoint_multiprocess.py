@@ -21,7 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 BASE = [*TRAIN_BASE, "optim.decay_steps=6"]
 
 
-@pytest.mark.long  # two launches of 2 processes: its file starts first, not last (tests/conftest.py)
+# two launches of 2 processes (~1 min): with the slow tests, beside the trainer's whole loop over 2 processes;
+# the fast run launches 2 processes in tests/train/test_launch.py
+@pytest.mark.slow
 def test_two_process_checkpoint_resumes_in_one_process_on_another_layout(tmp_path):
     whole = train(
         config_lib.load(

@@ -123,6 +123,9 @@ def test_a_first_step_of_learning_rate_0_exports_the_weights_it_started_from(pag
     assert index["tokenizer_source"] == str(start / "tokenizer.json")  # data.source=text took the model's tokenizer
 
 
+# with the slow tests: the fast run round-trips a Hugging Face checkpoint through training in the fine-tuning
+# page's test above, and trains a Gemma through the trainer in tests/train/test_model_families.py
+@pytest.mark.slow
 def test_a_gemma3_checkpoint_round_trips_through_fsdp_training(tmp_path, monkeypatch):
     # keys jaxdist does not model: generation's token ids and the context the RoPE was made for
     source = {**hf_configs.GEMMA3, "bos_token_id": 2, "eos_token_id": [1, 106], "max_position_embeddings": 4096}
@@ -161,6 +164,7 @@ def test_a_directory_without_config_json_is_refused(tmp_path):
         train(cfg)
 
 
+@pytest.mark.slow  # a trainer run for one refusal
 def test_a_gpt_run_has_no_hugging_face_export(tmp_path):
     run = tmp_path / "gpt"
     # the tiny GPT, one step of 8 rows: the program of the other batch-8 tiny runs (test_metrics_rows.py)

@@ -38,6 +38,9 @@ def test_resume_continues_with_the_same_losses(tmp_path, parallel):
     assert train(cfg(tmp_path, parallel, "run.steps=6", name="split")) == []  # finished: running again is a no-op
 
 
+# with the slow tests: the fast run resumes a run on another layout through the trainer in
+# tests/train/data/test_data_stream_resume.py, and every layout's checkpoint converts in tests/core/test_canonical.py
+@pytest.mark.slow
 def test_restore_onto_another_mesh_gives_the_same_next_losses(tmp_path):
     # dp=4 x tp=2 over 6 steps: test_resume's program (the schedule's length is compiled in), compiled once
     tp_run = ["parallel.tp=2", "run.steps=6"]

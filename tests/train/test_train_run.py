@@ -28,6 +28,8 @@ def cosine_lr(step: int, decay_steps: int) -> float:
     return end + (LR - end) * 0.5 * (1 + math.cos(math.pi * frac))
 
 
+# three trainer runs (~25 s): slow; the fast run resumes onto the same schedule in tests/train/test_train.py
+@pytest.mark.slow
 def test_raising_run_steps_on_resume_keeps_the_schedule(tmp_path, capsys):
     # 4 steps: the program of the module's two_checkpoints run (the schedule is compiled in), compiled once
     out = tmp_path / "run"
