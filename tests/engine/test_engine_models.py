@@ -58,7 +58,8 @@ def stacked_reference():
 
 
 # the fast run trains the published-style model over dp x fsdp x tp with sequence parallelism, keeping
-# activations; fsdp8 and dp4xtp2 recomputing are slow (recompute over tp: tests/engine/test_engine.py's remat test)
+# activations; fsdp8 and dp4xtp2 recomputing are slow (recomputing over tp: tests/engine/test_engine.py's
+# published-weights and remat tests)
 @pytest.mark.parametrize(
     "mesh_name",
     [pytest.param(name, marks=pytest.mark.slow if name != "dp2xfsdp2xtp2-seqpar-keep" else ()) for name in MESHES],

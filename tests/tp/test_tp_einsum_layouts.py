@@ -171,7 +171,7 @@ def reference():
     return single_device(lambda: Model(nnx.Rngs(0)), batches(STEPS))
 
 
-# tp=4 (two heads per rank at most) with the slow tests; the fast run splits the heads over tp=2
+# tp=4 with the slow tests; the fast run splits the heads over tp=2
 @pytest.mark.parametrize(
     "shape", [pytest.param((4, 2), id="dp4xtp2"), pytest.param((2, 4), id="dp2xtp4", marks=pytest.mark.slow)]
 )
