@@ -172,7 +172,9 @@ def _into_files(blobs: list[_Blob], files: int) -> list[list[_Blob]]:
         k = loads.index(min(loads))
         groups[k].append(blob)
         loads[k] += blob.data.nbytes
-    return [sorted(g, key=lambda b: -b.data.dtype.itemsize) for g in groups if g]
+    # a process that holds no shard of replica 0 (e.g. the second dp row of HSDP) still writes one file: every
+    # process's save then runs the same steps, and the file records the leaves it saw
+    return [sorted(g, key=lambda b: -b.data.dtype.itemsize) for g in groups if g] or [[]]
 
 
 def _write_file(path: Path, blobs: list[_Blob], leaves: dict, chunk: int) -> tuple[int, list[int]]:

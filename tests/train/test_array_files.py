@@ -136,3 +136,13 @@ def _size(files, name):
 
 def _cover(files, name):
     return sum(int(np.prod([b - a for a, b in stored.box])) for stored in files.blobs.get(name, ()))
+
+
+def test_a_process_holding_no_shard_of_replica_0_writes_one_file_of_no_tensors(values, tmp_path, monkeypatch):
+    """The second dp row of HSDP over two processes holds only replicas 1+: its save writes one file that
+    holds no tensors (it raised before, and the other process waited for it forever)."""
+    monkeypatch.setattr(jax, "process_index", lambda: 1)  # NumPy leaves are process 0's to write
+    written = array_files.write_arrays(tmp_path, values)
+    assert list(written.sums) == ["arrays.1.0.safetensors"]
+    with safe_open(tmp_path / "arrays.1.0.safetensors", framework="numpy") as f:
+        assert list(f.keys()) == []
