@@ -93,7 +93,7 @@ OP_DTYPES = [(op, d) for op in OPS for d in DTYPES if not (d == "int32" and op.e
 # every dtype on the 16x3 shape and float32 on both (each gathers and scatters along another axis) in the fast
 # run; the other dtypes on 2x8x4 with the slow tests
 OP_DTYPE_SHAPES = [
-    pytest.param(op, d, s, marks=pytest.mark.slow if (s == "2x8x4" and d != "float32") else (), id=f"{op}-{d}")
+    pytest.param(op, d, s, marks=pytest.mark.slow if (s == "2x8x4" and d != "float32") else (), id=f"{op}-{d}-{s}")
     for op, d in OP_DTYPES
     for s in SHAPES
 ]
