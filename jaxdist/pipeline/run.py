@@ -69,8 +69,9 @@ class Pipelined(Parallel):
 
     `per_rank_programs`: where each process holds the devices of one pp rank (a multi-process run,
     e.g. one process per GPU with pp = the process count), each process traces its own rank's
-    column of the table as straight-line code (`stage_step._Ticks.run_rank`): no switch on the rank
-    and no loop, so the device runs the ticks back to back without the host choosing each one. Off
+    column of the table (`stage_step._Ticks.run_rank`): no switch on the rank; the column's repeating
+    part is one loop of known trip count and the ticks around it straight-line code, so the device runs
+    the ticks back to back without the host choosing each one. Off
     by default: checked on CPU processes (gloo) against the one-program step, not yet measured on
     GPUs. A process holding devices of several pp ranks is refused with this option.
     """

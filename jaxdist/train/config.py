@@ -138,8 +138,8 @@ class ParallelConfig:
     virtual: int = _key(1, "pipeline: stages per rank (interleaved schedule)", COUNT)
     per_rank_programs: bool = _key(
         False,
-        "pipeline: each process traces only its pp rank's ticks, as straight-line code (needs one pp rank "
-        "per process, e.g. one process per GPU)",
+        "pipeline: each process traces only its pp rank's ticks, with no switch on the rank (needs one pp "
+        "rank per process, e.g. one process per GPU)",
     )
 
 
