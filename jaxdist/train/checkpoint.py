@@ -338,6 +338,15 @@ class Checkpoints:
         except BaseException as e:  # noqa: BLE001 (raised in the caller's thread by `wait`)
             self._finish_error = e
 
+    def warm_up(self, canonical) -> None:
+        """Make (and drop) one host copy of `canonical` before the training loop. The first copy into
+        pinned host memory is slow (the host allocator takes its pages then and keeps them: on an H200,
+        1.16 s for a 1.4 GiB state, the later copies 0.02 s); made here, that cost falls on the run's
+        start instead of on the loop at its first save."""
+        jax.block_until_ready(canonical)
+        if jax.process_count() == 1 or not self.compress:  # the saves that copy into host memory themselves
+            wait_for_host_copy(start_host_copy(canonical))
+
     def wait(self) -> None:
         """Finish the save in flight (if any) and record its checksums."""
         if self.pending is None:

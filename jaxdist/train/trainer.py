@@ -236,7 +236,8 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
         compiled = run.step.compile(state, example)
         memory.check_fits(compiled.memory_analysis(), jax.local_devices()[0], jax.local_device_count())
     if ckpt is not None and cfg.run.checkpoint_every > 0 and cfg.run.steps > start:
-        jax.block_until_ready(run.canonical(state))  # its conversion compiled now, not in the loop's first save
+        # the conversion compiled and the host copy's memory taken now, not at the loop's first save
+        ckpt.warm_up(run.canonical(state))
 
     log = MetricsLog(out_dir, cfg.run.tensorboard, start)
     peak = PEAK_FLOPS.get(jax.local_devices()[0].device_kind) if mcfg.dtype == jnp.bfloat16 else None
