@@ -235,9 +235,10 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
         # compiled now, the executable the loop runs: refused here if it cannot fit
         compiled = run.step.compile(state, example)
         memory.check_fits(compiled.memory_analysis(), jax.local_devices()[0], jax.local_device_count())
-    if ckpt is not None and cfg.run.checkpoint_every > 0 and cfg.run.steps > start:
-        # the conversion compiled and the host copy's memory taken now, not at the loop's first save
-        ckpt.warm_up(run.canonical(state))
+    # the checkpoint conversion compiled and the host copy's memory taken in the first step's window (which
+    # compiles anyway), not at the loop's first save: after that step, whose outputs are what the saves see
+    # (their shardings may be spelled otherwise than the initial state's, which would compile it again)
+    warm_saves = ckpt is not None and cfg.run.checkpoint_every > 0 and cfg.run.steps > start
 
     log = MetricsLog(out_dir, cfg.run.tensorboard, start)
     peak = PEAK_FLOPS.get(jax.local_devices()[0].device_kind) if mcfg.dtype == jnp.bfloat16 else None
@@ -288,6 +289,9 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
         for step in range(start, end):
             guard.beat(step)  # a step (or the log/checkpoint work after it) past the deadline ends the run
             state, metrics = run.step(state, next(batches))
+            if warm_saves:
+                warm_saves = False
+                ckpt.warm_up(run.canonical(state))
             skips.add(step + 1, metrics)
             pending.append(metrics["loss"])  # read back only when logging: no host sync per step
             window_tokens += tokens_per_step
