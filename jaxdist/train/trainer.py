@@ -31,6 +31,7 @@ from jaxdist.train import schedule as schedule_lib
 from jaxdist.train.checkpoint import CheckpointError, Checkpoints, check_same_model, model_record
 from jaxdist.train.config import ConfigError, TrainConfig, validate
 from jaxdist.train.decay_mask import adamw, decay_mask
+from jaxdist.train.heap import FrozenHeap
 from jaxdist.train.launch import initialize_args
 from jaxdist.train.report import info, is_terminal, warn
 from jaxdist.train.step_watchdog import StepWatchdog, StopDeadline, stop_grace, timeout_from
@@ -259,19 +260,25 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
     held = {"window": 0.0, "run": 0.0, "saves": 0}  # seconds the loop waited in checkpoint saves
 
     def save(step: int, in_loop: bool = True):
-        skips.check()  # a state whose steps have stopped the run for NaN/Inf is never saved
         # only steps this invocation trained: a resumed run has its start step already (a finished run
         # given a smaller run.steps would otherwise save its newest state under the smaller step's name)
-        if ckpt is not None and step > start and step != ckpt.latest():
-            jax.block_until_ready(state)  # the queued steps' compute is not the checkpoint's
-            began = time.perf_counter()
-            samples = first_sample + (step - start) * cfg.data.batch_size  # where the data stream continues
-            ckpt.save(step, run.canonical(state), {**meta_out, "step": step, "data_samples": samples})
-            waited = time.perf_counter() - began
-            held["window"] += waited
-            held["saves"] += 1
-            # as the mean tokens/s: the loop's windows after the first; the first save also compiles
-            held["run"] += waited if in_loop and held["saves"] > 1 else 0.0
+        if ckpt is None or step <= start or step == ckpt.latest():
+            skips.check()
+            return
+        # the conversion and the host copies are enqueued first, while the device still runs the queued
+        # steps; then the check waits for those steps: a state they stopped the run for (NaN/Inf) is never saved
+        began = time.perf_counter()
+        staged = ckpt.stage(run.canonical(state))
+        waited = time.perf_counter() - began
+        skips.check()
+        began = time.perf_counter()
+        samples = first_sample + (step - start) * cfg.data.batch_size  # where the data stream continues
+        ckpt.save(step, staged, {**meta_out, "step": step, "data_samples": samples})
+        waited += time.perf_counter() - began
+        held["window"] += waited
+        held["saves"] += 1
+        # as the mean tokens/s: the loop's windows after the first; the first save also compiles
+        held["run"] += waited if in_loop and held["saves"] > 1 else 0.0
 
     step = start
     summary = _Summary()
@@ -284,11 +291,14 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
     if cfg.parallel.cp > 1:
         batches = map(_next_token_batches(batch_sharding), batches)
     stop = _StopRequests()
+    heap = FrozenHeap()
     skips = _NonFiniteSteps(cfg, ckpt)
     try:
         for step in range(start, end):
             guard.beat(step)  # a step (or the log/checkpoint work after it) past the deadline ends the run
             state, metrics = run.step(state, next(batches))
+            if step == start:
+                heap.freeze()  # the compiled programs and the model exist now: full collections skip them
             if warm_saves:
                 warm_saves = False
                 ckpt.warm_up(run.canonical(state))
@@ -296,6 +306,8 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
             pending.append(metrics["loss"])  # read back only when logging: no host sync per step
             window_tokens += tokens_per_step
             last = step + 1 == end
+            if ckpt and cfg.run.checkpoint_every > 0 and (step + 1) % cfg.run.checkpoint_every == 0 and not last:
+                save(step + 1)  # before the log row's wait: the save's host work overlaps the queued steps
             evaluate = evaluator is not None and ((step + 1) % cfg.run.eval_every == 0 or last)
             if (step + 1) % max(1, cfg.run.log_every) == 0 or last or step == start or evaluate:
                 losses.extend(float(_host(x)) for x in pending)
@@ -329,8 +341,6 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
                 guard.record(row)
                 bar.update(step + 1, row)
                 window_start, window_tokens = time.perf_counter(), 0
-            if ckpt and cfg.run.checkpoint_every > 0 and (step + 1) % cfg.run.checkpoint_every == 0 and not last:
-                save(step + 1)
             stop.check()
         save(end, in_loop=False)
         summary.print(out_dir, ckpt, held["run"])
@@ -346,6 +356,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
             save(done)
         raise
     finally:
+        heap.release()
         guard.close()
         bar.close()
         log.close()
