@@ -35,6 +35,7 @@ background parts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -239,6 +240,13 @@ def _raised_in_orbax(record: logging.LogRecord) -> bool:
     return False
 
 
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """A canonical state whose copies into host memory `Checkpoints.stage` has enqueued."""
+
+    tree: object
+
+
 class Checkpoints:
     """The run's checkpoints in `directory/checkpoints`, the newest `keep` kept. `compress` zstd-compresses
     the arrays (orbax's default): a float32 train state shrinks by ~8% and is written ~2x slower, so
@@ -262,7 +270,13 @@ class Checkpoints:
         self._quiet.attach()  # read_only: orbax warns that it is, and which options it ignores
         try:
             options = ocp.CheckpointManagerOptions(
-                max_to_keep=max(1, keep), create=not read_only, read_only=read_only, enable_async_checkpointing=True
+                max_to_keep=max(1, keep),
+                create=not read_only,
+                read_only=read_only,
+                enable_async_checkpointing=True,
+                # the older checkpoints are deleted on a thread of their own once a save is in place: freeing a
+                # 1.4 GiB one from a tmpfs took 0.2 s, which otherwise a save waits for (and the next, behind it)
+                enable_background_delete=True,
             )
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         finally:
@@ -279,14 +293,27 @@ class Checkpoints:
         latest = self.manager.latest_step()
         return self.pending if self.pending is not None and (latest is None or self.pending > latest) else latest
 
+    def stage(self, canonical) -> Staged:
+        """Finish the save in flight, then enqueue the copies of `canonical` into host memory and return at
+        once, waiting for none of its values: a loop stages while the device still runs its queued steps,
+        and then checks that the state is worth saving. `save` takes what this returns."""
+        self.wait()
+        try:
+            return Staged(start_host_copy(canonical) if self._copies_to_host() else canonical)
+        except Exception as e:
+            raise CheckpointError(
+                f"could not copy the state into host memory for a checkpoint: {_first_line(e)}; "
+                "free host memory or save less often"
+            ) from None
+
     def save(self, step: int, canonical, meta: dict) -> None:
-        """Start writing checkpoint `step` of the canonical state `canonical` (after finishing the save in
-        flight). Returns once the copies of the values into host memory are enqueued (the next step may
-        then donate and overwrite them; the runtime orders it behind the copies): orbax writes those
-        copies in the background. With several processes orbax's save is started here (its barriers are
-        collectives over the devices, which must keep the training loop's order), so the loop waits for
-        the device-to-host copy. A failure (e.g. a full disk) leaves no partial checkpoint and raises
-        CheckpointError, here or at the next `save` / `wait`."""
+        """Start writing checkpoint `step` of the canonical state `canonical`, or of what `stage` returned
+        for it (after finishing the save in flight). Returns once the copies of the values into host
+        memory are enqueued (the next step may then donate and overwrite them; the runtime orders it
+        behind the copies): orbax writes those copies in the background. With several processes orbax's
+        save is started here (its barriers are collectives over the devices, which must keep the
+        training loop's order), so the loop waits for the device-to-host copy. A failure (e.g. a full
+        disk) leaves no partial checkpoint and raises CheckpointError, here or at the next `save` / `wait`."""
         self.wait()
         self._quiet.attach()
         # one process: started from the background; several: started here (orbax's barriers are collectives
@@ -296,7 +323,10 @@ class Checkpoints:
         self.pending = step
         self.arrays.written = None  # what this save's writer records (none if it fails before writing)
         try:
-            state = start_host_copy(canonical) if self._copies_to_host() else canonical
+            if isinstance(canonical, Staged):
+                state = canonical.tree
+            else:
+                state = start_host_copy(canonical) if self._copies_to_host() else canonical
             if self.compress:
                 item = {"state": ocp.args.PyTreeSave(state, ocdbt_target_data_file_size=DATA_FILE_BYTES)}
             else:
