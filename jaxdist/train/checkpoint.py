@@ -276,7 +276,7 @@ class Checkpoints:
                 enable_async_checkpointing=True,
                 # the older checkpoints are deleted on a thread of their own once a save is in place: freeing a
                 # 1.4 GiB one from a tmpfs took 0.2 s, which otherwise a save waits for (and the next, behind it)
-                enable_background_delete=True,
+                enable_background_delete=not read_only,
             )
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         finally:
