@@ -45,6 +45,8 @@ def test_the_loops_saves_compile_nothing_after_the_warm_up(tmp_path, monkeypatch
         return run
 
     monkeypatch.setattr(trainer, "parallelize", parallelize)
+    monkeypatch.setattr(trainer, "_fetch_ahead", traced("fetch_ahead", trainer._fetch_ahead))
+    monkeypatch.setattr(checkpoint.Checkpoints, "stage", traced("stage", checkpoint.Checkpoints.stage))
     monkeypatch.setattr(checkpoint.Checkpoints, "save", traced("save", checkpoint.Checkpoints.save))
     monkeypatch.setattr(checkpoint.Checkpoints, "warm_up", traced("warm_up", checkpoint.Checkpoints.warm_up))
     before = gc.get_freeze_count()
@@ -53,8 +55,11 @@ def test_the_loops_saves_compile_nothing_after_the_warm_up(tmp_path, monkeypatch
         trainer.train(tiny_run_config(tmp_path / "run", "run.steps=4", "run.checkpoint_every=2"))
     finally:
         jax.monitoring.unregister_event_duration_listener(on_lowered)
-    # the warm-up converts the state after the first step; the saves at steps 2 and 4 convert it again
-    assert calls == ["canonical", "warm_up", "canonical", "save", "canonical", "save"]
+    # the warm-up converts the state after the first step; the saves at steps 2 and 4 convert it again,
+    # each after starting the host reads of the values the loop reads next (the check, the log row: behind
+    # the state's host copies they would wait for all of it), then stage its host copies, then save
+    save = ["fetch_ahead", "canonical", "stage", "save"]
+    assert calls == ["canonical", "warm_up", *save, *save]
     assert None in lowered  # the run traced its programs (the step) ...
     assert set(lowered) <= {None, "canonical 1"}  # ... and on the save side only the warm-up's conversion
     # the canonical call before the warm-up comes right after the first step, which froze the heap; the
