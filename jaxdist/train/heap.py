@@ -22,8 +22,8 @@ class FrozenHeap:
         self.frozen = False
 
     def freeze(self) -> None:
-        if self.frozen or not gc.isenabled():
-            return  # a caller who switched the collector off manages it themselves
+        if self.frozen or not gc.isenabled() or gc.get_freeze_count():
+            return  # a caller who froze objects or switched the collector off manages the collector
         gc.collect()  # what is garbage already is freed, not frozen
         gc.freeze()
         self.frozen = True
