@@ -5,37 +5,11 @@ imported by any test module.
 """
 
 import collections
-import importlib.util
 import os
-import subprocess
-import sys
 
-
-def _add_xla_flag(flag: str) -> None:
-    """Append `flag` to XLA_FLAGS unless the caller's XLA_FLAGS sets it already."""
-    if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-
-
-def _known_to_xla(flags: list[str]) -> bool:
-    """Whether this jaxlib's XLA accepts `flags` (it aborts on a flag it does not know): one short process."""
-    env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
-    probe = [sys.executable, "-c", "import jax; jax.devices('cpu')"]
-    return subprocess.run(probe, env=env, capture_output=True, timeout=120).returncode == 0
-
-
-_add_xla_flag("--xla_force_host_platform_device_count=8")
-# Without a GPU plugin the suite runs on XLA's CPU backend, where compiling is most of its time and the
-# programs are tiny: LLVM's optimizations and the newer fusion emitters cost ~40% of the suite and buy
-# nothing there. Results differ from the default's in rounding only (the order of a reduction's sums), and
-# every test compares programs compiled alike. Set here, the test processes and those they start inherit
-# them (the probe runs once, in the first). A GPU runner keeps the defaults: there they would slow kernels.
-FASTER_CPU_COMPILES = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
-if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
-    if not any(flag.split("=")[0] in os.environ.get("XLA_FLAGS", "") for flag in FASTER_CPU_COMPILES):
-        for flag in FASTER_CPU_COMPILES:
-            if _known_to_xla([flag]):
-                _add_xla_flag(flag)
+_FLAG = "--xla_force_host_platform_device_count=8"
+if _FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
 # GPU tests share the GPUs with worker processes they start (multi-process bootstrap, the
 # watchdog): XLA's default grab of 75% of each GPU would leave those workers, and NCCL's own
