@@ -1,11 +1,24 @@
 """An asynchronous save writes the values of the step it was given, although the next step donates
 the state and the arrays handed to it are deleted before the write finishes."""
 
+import time
+
 import jax
 import numpy as np
 from support.layouts import LAYOUTS, OPTIMIZER, batches, make_model
 
 from jaxdist.train.checkpoint import Checkpoints
+
+
+def slow_down(monkeypatch, owner, name: str, seconds: float) -> None:
+    """`owner.name` (a method) sleeps `seconds` before it runs: a slow disk, a slow deletion."""
+    real = getattr(owner, name)
+
+    def slowed(self, *args, **kwargs):
+        time.sleep(seconds)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, slowed)
 
 
 def test_the_saved_values_are_the_steps_even_when_its_buffers_are_donated_and_deleted(tmp_path):
@@ -32,17 +45,10 @@ def test_the_saved_values_are_the_steps_even_when_its_buffers_are_donated_and_de
 
 def test_the_checksum_pass_runs_in_the_background_and_is_complete_after_wait(tmp_path, monkeypatch):
     """Reading a checkpoint back for its CRCs took the loop ~0.5 s per save when `wait` did it."""
-    import time
-
     from jaxdist.train import checkpoint
 
-    slow, real = 1.5, checkpoint.Checkpoints._write_checksums
-
-    def slow_checksums(self, step):
-        time.sleep(slow)
-        real(self, step)
-
-    monkeypatch.setattr(checkpoint.Checkpoints, "_write_checksums", slow_checksums)
+    slow = 1.5
+    slow_down(monkeypatch, checkpoint.Checkpoints, "_write_checksums", slow)
     ckpt = Checkpoints(tmp_path, keep=2)
     state = {"w": np.arange(1000, dtype=np.float32)}
     t = time.perf_counter()
@@ -57,17 +63,10 @@ def test_the_checksum_pass_runs_in_the_background_and_is_complete_after_wait(tmp
 def test_older_checkpoints_are_deleted_after_the_save_and_do_not_hold_it_up(tmp_path, monkeypatch):
     """Freeing an older checkpoint (0.2 s for 1.4 GiB in a tmpfs on a GPU host) is not part of the save
     that the loop's next save waits for; after `close` only the newest `keep` are left."""
-    import time
-
     from orbax.checkpoint._src.path import deleter
 
-    slow, real = 1.5, deleter.StandardCheckpointDeleter.delete
-
-    def slow_delete(self, step):
-        time.sleep(slow)
-        real(self, step)
-
-    monkeypatch.setattr(deleter.StandardCheckpointDeleter, "delete", slow_delete)
+    slow = 1.5
+    slow_down(monkeypatch, deleter.StandardCheckpointDeleter, "delete", slow)
     ckpt = Checkpoints(tmp_path, keep=1)
     state = {"w": np.arange(1000, dtype=np.float32)}
     ckpt.save(1, state, {})
