@@ -39,10 +39,7 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 
-try:  # ISA-L's CRC-32: the same sums as zlib's, ~5x faster per core
-    from isal.isal_zlib import crc32
-except ImportError:  # pragma: no cover
-    from zlib import crc32
+from jaxdist.train.checksums import crc32
 
 FORMAT = "jaxdist.arrays/1"
 CHUNK_BYTES = 16 << 20  # a piece of a file: what one thread writes and sums at a time

@@ -24,8 +24,8 @@ temporary directory and renames it when every process's writes are complete, so
 an interrupted save (a crash, kill -9) never touches the previous checkpoints;
 only the newest `keep` are kept.
 
-After each save the size and CRC-32 of every file go into `CHECKSUMS` (older
-checkpoints: `CHECKSUMS_V1`): the array files' sums are taken as they are written,
+After each save the size and CRC-32 of every file go into `jaxdist.train.checksums`'s
+file (older checkpoints: its first form): the array files' sums are taken as they are written,
 the other files' read back (one CRC per 16 MiB piece of a file, on several threads,
 with ISA-L's CRC-32: the same sums as zlib's, ~5x faster per core). A checkpoint
 that fails them, or that cannot be read, is moved to `checkpoints.unreadable/` and
@@ -36,15 +36,11 @@ background parts.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
-import re
 import shutil
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -52,18 +48,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-try:  # ISA-L's CRC-32: the same sums as zlib's, ~5x faster (18 vs 3.2 GiB/s on one x86 core)
-    from isal.isal_zlib import crc32
-except ImportError:  # pragma: no cover (isal is a dependency; a platform without its wheels uses zlib's)
-    from zlib import crc32
-
+from jaxdist.train import checksums
 from jaxdist.train.array_files import ArraysHandler, ArraysRestore, ArraysSave, read_tree
 from jaxdist.train.config import ConfigError
 from jaxdist.train.host_copy import start_host_copy, wait_for_host_copy
-from jaxdist.train.report import disk_full, warn, write_problem
+from jaxdist.train.orbax_logs import DropOrbaxLogs
+from jaxdist.train.report import disk_full, first_line, warn, write_problem
 
-CHECKSUMS = "jaxdist_checksums.v2.json"  # per-piece CRCs; a new name, so an older jaxdist does not misread it
-CHECKSUMS_V1 = "jaxdist_checksums.json"  # per-file CRCs, written by jaxdist before the per-piece form
 T = TypeVar("T")
 
 
@@ -71,11 +62,6 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message is one line and names the fix."""
 
 
-class _Unreadable(Exception):
-    """A checkpoint whose files do not match the checksums recorded when it was saved."""
-
-
-CHUNK_BYTES = 16 << 20  # one CRC-32 per piece, so the pieces of one large file are summed in parallel
 # Orbax's default OCDBT store (zarr v2 arrays) appends every array to a few data files of up to 2 GB, each
 # written by one writer: a GPT-124M train state (1.39 GiB) went to an H200 host's tmpfs at 1.7 GiB/s, where
 # 8 threads write 14.8 GiB/s. Zarr v3 arrays in data files of 64 MiB are written side by side: 5.8-7.1 GiB/s
@@ -103,141 +89,12 @@ def _type_handlers():
     return ocp.type_handlers.create_type_handler_registry(*handlers)
 
 
-def _sum_workers() -> int:
-    try:
-        cpus = len(os.sched_getaffinity(0))  # the CPUs this process may use (containers, taskset)
-    except AttributeError:
-        cpus = os.cpu_count() or 1
-    return max(1, min(8, cpus))
-
-
-_buffers = threading.local()
-
-
-def _piece_crc(path: Path, offset: int, chunk_bytes: int) -> int:
-    """CRC-32 of `chunk_bytes` of `path` from `offset` (fewer at the end), read into this thread's buffer:
-    plain reads, so a bad block is an OSError and a file cut short meanwhile a sum of what is there
-    (both fail verification), never SIGBUS."""
-    want = max(0, min(chunk_bytes, path.stat().st_size - offset))
-    buffer = getattr(_buffers, "piece", None)
-    if buffer is None or len(buffer) < want:
-        buffer = _buffers.piece = bytearray(want)
-    view, n = memoryview(buffer), 0
-    with path.open("rb", buffering=0) as f:
-        f.seek(offset)
-        while n < want and (got := f.readinto(view[n:want])):  # a read may return less than asked
-            n += got
-    return crc32(view[:n])  # the read and crc32 release the GIL: pieces are summed in parallel
-
-
-def _file_sums(step_dir: Path, chunk_bytes: int | None = None, known: dict | None = None) -> dict:
-    """`{"chunk_bytes": C, "files": {name: [size, [CRC-32 of each C-byte piece]]}}` of the files in `step_dir`,
-    the pieces summed on several threads; `known`: the sums of some files already (summed as they were
-    written, in pieces of `chunk_bytes`), taken as they are where the file still has that size."""
-    chunk_bytes = chunk_bytes or CHUNK_BYTES
-    sizes = {
-        p: p.stat().st_size
-        for p in sorted(step_dir.rglob("*"))
-        if p.is_file() and not p.name.startswith((CHECKSUMS, CHECKSUMS_V1))
-    }
-    files = {str(p.relative_to(step_dir)): [size, []] for p, size in sizes.items()}
-    for name, (size, crcs) in (known or {}).items():
-        if name in files and files[name][0] == size:
-            files[name][1] = list(crcs)
-    pieces = [
-        (p, offset)
-        for p, size in sizes.items()
-        if not files[str(p.relative_to(step_dir))][1]
-        for offset in range(0, max(size, 1), chunk_bytes)
-    ]
-    with ThreadPoolExecutor(max_workers=_sum_workers(), thread_name_prefix="jaxdist-crc") as pool:
-        crcs = list(pool.map(lambda piece: _piece_crc(*piece, chunk_bytes), pieces))
-    for (p, _), crc in zip(pieces, crcs, strict=True):
-        files[str(p.relative_to(step_dir))][1].append(crc)
-    return {"chunk_bytes": chunk_bytes, "files": files}
-
-
-class _Unverifiable(_Unreadable):
-    """A checkpoint whose checksum file cannot be read: its data files may be good, but nothing vouches for them."""
-
-    def __init__(self, path: Path, why: str):
-        super().__init__(f"its checksum file {path.name} is damaged: {why}")
-        self.name = path.name
-
-
-def _read_checksums(path: Path) -> dict:
-    """The sums recorded in `path`, either form, checked for shape: a damaged file that still parses (`{}`,
-    a list, a size that is not a number) must not verify a checkpoint by checking nothing."""
-    try:
-        sums = json.loads(path.read_text())
-    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
-        raise _Unverifiable(path, _first_line(e)) from None
-    per_piece = isinstance(sums, dict) and "chunk_bytes" in sums
-    files = sums.get("files") if per_piece else sums
-    if per_piece and not (isinstance(sums["chunk_bytes"], int) and sums["chunk_bytes"] > 0):
-        raise _Unverifiable(path, f"chunk_bytes is {sums['chunk_bytes']!r}")
-    if not isinstance(files, dict) or not files:
-        raise _Unverifiable(path, "it lists no files")
-    for name, entry in files.items():
-        sums_ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)
-        crcs_ok = sums_ok and (
-            isinstance(entry[1], list) and all(isinstance(c, int) for c in entry[1])
-            if per_piece
-            else isinstance(entry[1], int)
-        )
-        if not crcs_ok:
-            raise _Unverifiable(path, f"its entry for {name} is not [size, CRC]")
-    return sums
-
-
-def _whole_file_crc(path: Path) -> int:
-    """The CRC-32 of a whole file, as checkpoints saved before the per-piece sums recorded it."""
-    crc = 0
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = crc32(chunk, crc)
-    return crc
-
-
 def _out_of_memory(e: BaseException) -> bool:
     """Whether `e` is the host or a device running out of memory (XLA says RESOURCE_EXHAUSTED, as tensorstore
     does for a full disk)."""
     if disk_full(e):
         return False
     return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
-
-
-def _first_line(e: BaseException) -> str:
-    text = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
-    return text.strip().splitlines()[0][:200]
-
-
-class DropOrbaxLogs(logging.Filter):
-    """Orbax logs a failed background write several times with tracebacks (and asyncio logs each of its
-    futures whose error nobody read, at exit); the save raises it once, on one line."""
-
-    LOGGERS = ("absl", "asyncio")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "orbax" not in record.pathname and not _raised_in_orbax(record)
-
-    def attach(self) -> None:
-        for name in self.LOGGERS:
-            logging.getLogger(name).addFilter(self)
-
-    def detach(self) -> None:
-        for name in self.LOGGERS:
-            logging.getLogger(name).removeFilter(self)
-
-
-def _raised_in_orbax(record: logging.LogRecord) -> bool:
-    error = record.exc_info[1] if record.exc_info else None
-    tb = error.__traceback__ if error is not None else None
-    while tb is not None:
-        if "orbax" in tb.tb_frame.f_code.co_filename:
-            return True
-        tb = tb.tb_next
-    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,7 +159,7 @@ class Checkpoints:
             return Staged(start_host_copy(canonical) if self._copies_to_host() else canonical)
         except Exception as e:
             raise CheckpointError(
-                f"could not copy the state into host memory for a checkpoint: {_first_line(e)}; "
+                f"could not copy the state into host memory for a checkpoint: {first_line(e)}; "
                 "free host memory or save less often"
             ) from None
 
@@ -330,7 +187,7 @@ class Checkpoints:
             if self.compress:
                 item = {"state": ocp.args.PyTreeSave(state, ocdbt_target_data_file_size=DATA_FILE_BYTES)}
             else:
-                item = {"arrays": ArraysSave(state, chunk_bytes=CHUNK_BYTES)}
+                item = {"arrays": ArraysSave(state, chunk_bytes=checksums.CHUNK_BYTES)}
             args = ocp.args.Composite(**item, meta=ocp.args.JsonSave(meta))
             if not in_background:
                 self.manager.save(step, args=args, force=True)
@@ -423,37 +280,11 @@ class Checkpoints:
                 return
 
     def _write_checksums(self, step: int) -> None:
-        step_dir = self.directory / str(step)
-        tmp = step_dir / f"{CHECKSUMS}.tmp"
         # this process's array file was summed while it was written; the other files are read back
         known = {}
-        if self.arrays.written is not None and self.arrays.written.chunk_bytes == CHUNK_BYTES:
+        if self.arrays.written is not None and self.arrays.written.chunk_bytes == checksums.CHUNK_BYTES:
             known = {f"arrays/{name}": sums for name, sums in self.arrays.written.sums.items()}
-        tmp.write_text(json.dumps(_file_sums(step_dir, known=known)))
-        tmp.replace(step_dir / CHECKSUMS)  # atomic: a checkpoint has its whole list of sums or none
-
-    def _verify(self, step: int) -> None:
-        """Raise _Unreadable if the files of `step` differ from those recorded at save (if recorded)."""
-        step_dir = self.directory / str(step)
-        recorded = next((step_dir / n for n in (CHECKSUMS, CHECKSUMS_V1) if (step_dir / n).is_file()), None)
-        if recorded is None:
-            return  # saved before checksums existed, or the process died right after orbax finished
-        expected = _read_checksums(recorded)
-        if "chunk_bytes" in expected:  # per piece (under the older name too, as one development commit wrote)
-            found = _file_sums(step_dir, expected["chunk_bytes"])
-        else:  # {name: [size, CRC-32 of the whole file]}, as jaxdist wrote before
-            expected, found = {"files": expected}, {"files": {}}
-            for name in expected["files"]:
-                path = step_dir / name
-                if path.is_file():
-                    found["files"][name] = [path.stat().st_size, _whole_file_crc(path)]
-        for name, (size, crc) in expected["files"].items():
-            if name not in found["files"]:
-                raise _Unreadable(f"{name} is missing")
-            if found["files"][name][0] != size:
-                raise _Unreadable(f"{name} has {found['files'][name][0]} bytes, saved with {size}")
-            if found["files"][name][1] != crc:
-                raise _Unreadable(f"{name} has changed since it was saved")
+        checksums.write_checksums(self.directory / str(step), known)
 
     def newest_readable(self, read: Callable[[int], T], below: int | None = None) -> tuple[int, T] | None:
         """`(step, read(step))` for the newest checkpoint (older than `below`, if given) that verifies and
@@ -470,10 +301,10 @@ class Checkpoints:
                 except Exception as e:
                     if _out_of_memory(e):  # says nothing about the checkpoint, which verified: keep it
                         raise CheckpointError(
-                            f"reading checkpoint {self.directory / str(step)} ran out of memory ({_first_line(e)}); "
+                            f"reading checkpoint {self.directory / str(step)} ran out of memory ({first_line(e)}); "
                             "it is left in place: free memory (or restore onto more devices) and resume"
                         ) from e
-                    reason = _first_line(e)
+                    reason = first_line(e)
             if not self.read_only:
                 self._set_aside(step, reason)
             elif (self.directory / str(step)).is_dir():
@@ -491,11 +322,11 @@ class Checkpoints:
         reason = None
         if jax.process_index() == 0:
             try:
-                self._verify(step)
-            except _Unverifiable as e:
-                reason, self._unverified[step] = _first_line(e), e.name
+                checksums.verify(self.directory / str(step))
+            except checksums.Unverifiable as e:
+                reason, self._unverified[step] = first_line(e), e.name
             except Exception as e:
-                reason = _first_line(e)
+                reason = first_line(e)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -591,56 +422,3 @@ class Checkpoints:
             self.wait()
         finally:
             self.manager.close()
-
-
-# how the model computes (flash attention on NVIDIA GPUs, the loss in chunks): not what a checkpoint holds,
-# so a GPU run's checkpoint resumes on CPU and back
-PLATFORM_KEYS = ("attention", "loss_chunk")
-DTYPE_KEYS = ("dtype", "param_dtype")
-
-
-def dtype_name(value) -> str:
-    """A dtype's name ("float32", "bfloat16"), also of the text an older jaxdist recorded for a scalar type
-    ("<class 'jax.numpy.float32'>")."""
-    if isinstance(value, str):
-        value = re.findall(r"\w+", value)[-1]
-    return jax.numpy.dtype(value).name
-
-
-def model_record(model: dict) -> dict:
-    """A model config (`jaxdist.models.families.record`) as JSON: dtypes by name, so `from_record` builds it."""
-    return {k: dtype_name(v) if k in DTYPE_KEYS and v is not None else v for k, v in model.items()}
-
-
-def _model_identity(model):
-    """What makes two model records the same model: the config without the platform's choices."""
-    if not isinstance(model, dict):
-        return model
-    return {k: v for k, v in model_record(model).items() if k not in PLATFORM_KEYS}
-
-
-def check_same_model(meta: dict, model: dict, directory: Path) -> None:
-    """Raise a one-line ConfigError naming each model setting in which the checkpoint's model differs."""
-    saved = _model_identity(meta.get("model"))
-    now = _model_identity(model)
-    if saved == now:
-        return
-    if not isinstance(saved, dict):
-        differences = f"it records no model config ({json.dumps(saved)[:100]})"
-    else:
-        differences = "saved vs now: " + ", ".join(
-            f"model.{k} {_shown(saved, k)} vs {_shown(now, k)}"
-            for k in sorted(saved.keys() | now.keys())
-            if saved.get(k, _ABSENT) != now.get(k, _ABSENT)
-        )
-    raise ConfigError(
-        f"the checkpoint in {directory} is for another model ({differences}); use a new run.out_dir "
-        "(run.out_dir=DIR) for a new run, set run.overwrite=true to replace this one, or match the model settings"
-    )
-
-
-_ABSENT = object()
-
-
-def _shown(record: dict, key: str) -> str:
-    return json.dumps(record[key]) if key in record else "absent"

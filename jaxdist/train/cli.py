@@ -30,8 +30,8 @@ def _train(args) -> int:
     elif args.config:
         overrides.insert(0, args.config)
     from jaxdist.train.checkpoint import CheckpointError
+    from jaxdist.train.loop_guards import NonFiniteLoss
     from jaxdist.train.metrics import MetricsError
-    from jaxdist.train.trainer import NonFiniteLoss
 
     try:
         cfg = config_lib.load(path, overrides)

@@ -17,7 +17,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxdist.train.checkpoint import PLATFORM_KEYS, CheckpointError, Checkpoints, DropOrbaxLogs, model_record
+from jaxdist.train.checkpoint import CheckpointError, Checkpoints
+from jaxdist.train.model_record import PLATFORM_KEYS, model_record
+from jaxdist.train.orbax_logs import DropOrbaxLogs
 from jaxdist.train.report import disk_full, write_problem
 
 MODEL_FILE = "jaxdist_model.json"

@@ -37,5 +37,10 @@ def write_problem(e: BaseException, path: str | Path) -> str:
     else the first line of the error."""
     if disk_full(e):
         return f"no space left on device ({path})"
+    return first_line(e)
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of what `e` says (an OSError's reason without its number), at most 200 characters."""
     text = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
     return text.strip().splitlines()[0][:200]

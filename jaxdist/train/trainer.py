@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,15 +23,18 @@ from jaxdist.models import families
 from jaxdist.models.families import FAMILIES
 from jaxdist.models.gpt import next_token_batch
 from jaxdist.train import hf_init, hooks, memory, run_dir
-from jaxdist.train import metrics as metrics_lib
 from jaxdist.train import schedule as schedule_lib
-from jaxdist.train.checkpoint import CheckpointError, Checkpoints, check_same_model, model_record
+from jaxdist.train.checkpoint import CheckpointError, Checkpoints
 from jaxdist.train.config import ConfigError, TrainConfig, validate
 from jaxdist.train.decay_mask import adamw, decay_mask
 from jaxdist.train.heap import FrozenHeap
 from jaxdist.train.launch import initialize_args
-from jaxdist.train.report import info, is_terminal, warn
-from jaxdist.train.step_watchdog import StepWatchdog, StopDeadline, stop_grace, timeout_from
+from jaxdist.train.loop_guards import NonFiniteLoss as NonFiniteLoss  # where `jaxdist.train.cli` and users catch it
+from jaxdist.train.loop_guards import NonFiniteSteps, StopRequests, host_value
+from jaxdist.train.loop_output import MetricsLog, Progress, Summary, memory_gb
+from jaxdist.train.model_record import check_same_model, model_record
+from jaxdist.train.report import info
+from jaxdist.train.step_watchdog import StepWatchdog, timeout_from
 from jaxdist.train.strategy import check_backend, layout_of, make_mesh, parallelize
 
 # Datasheet dense bf16 peak, FLOP/s, by device kind: the MFU denominator of Megatron, torchtitan
@@ -121,13 +121,6 @@ def flops_per_token(m) -> float:
     return families.family_of(m).flops_per_token(m)
 
 
-def _host(x) -> np.ndarray:
-    """A replicated array's value on this host (also in multi-process runs)."""
-    if not isinstance(x, jax.Array):
-        return np.asarray(x)
-    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
-
-
 def _fetch_ahead(values) -> None:
     """Start copying these (small) arrays to the host now. A checkpoint's host copies, enqueued next, go
     through the same device-to-host queue: a read of a loss behind them waited for the whole state
@@ -135,46 +128,6 @@ def _fetch_ahead(values) -> None:
     for x in jax.tree.leaves(values):
         if isinstance(x, jax.Array) and x.is_fully_addressable:
             x.copy_to_host_async()
-
-
-def _memory_gb(device) -> float | None:
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    return stats["bytes_in_use"] / 2**30 if stats and "bytes_in_use" in stats else None
-
-
-class MetricsLog:
-    """JSONL (and optionally TensorBoard) metrics, written by process 0."""
-
-    def __init__(self, out_dir: Path, tensorboard: bool, start: int = 0):
-        self.enabled = jax.process_index() == 0
-        self.file = None
-        if self.enabled:
-            # rows of steps after `start` belong to an attempt that did not reach a checkpoint: they are trained again
-            path = out_dir / metrics_lib.FILE
-            metrics_lib.rewrite(path, [r for r in metrics_lib.read_rows(path, warn) if r["step"] <= start])
-            self.file = metrics_lib.RowWriter(path)
-        self.tb = None
-        if tensorboard and self.enabled:
-            try:
-                from tensorboardX import SummaryWriter
-            except ImportError:
-                raise ConfigError("run.tensorboard=true needs tensorboardX: pip install tensorboardX") from None
-            self.tb = SummaryWriter(str(out_dir / "tensorboard"))
-
-    def write(self, row: dict) -> None:
-        if not self.enabled:
-            return
-        self.file.write(row)  # one write of the whole line: a crash never leaves half a row before the next
-        if self.tb:
-            for k, v in row.items():
-                if isinstance(v, int | float) and k != "step" and v is not None:
-                    self.tb.add_scalar(k, v, row["step"])
-
-    def close(self) -> None:
-        if self.file:
-            self.file.close()
-        if self.tb:
-            self.tb.close()
 
 
 def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
@@ -257,7 +210,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
     tokens_per_step = cfg.data.batch_size * mcfg.seq_len
     flops_step = flops_per_token(mcfg) * tokens_per_step
     end = cfg.run.steps if stop_after is None else min(cfg.run.steps, start + stop_after)
-    bar = _progress(cfg, start, end)
+    bar = Progress(cfg, start, end)
     losses: list[float] = []
     pending: list = []
     meta_out = {
@@ -293,7 +246,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
         held["run"] += waited if in_loop and held["saves"] > 1 else 0.0
 
     step = start
-    summary = _Summary()
+    summary = Summary()
     window_start, window_tokens = time.perf_counter(), 0
     guard = StepWatchdog(timeout_from(cfg.run.step_timeout_s), out_dir, process_index=jax.process_index())
     # the data's state is the step (see jaxdist.train.data.shards) and the samples read before it: a resume with
@@ -302,9 +255,9 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
     batches = loader.batches(start, offset=first_sample - start * cfg.data.batch_size)
     if cfg.parallel.cp > 1:
         batches = map(_next_token_batches(batch_sharding), batches)
-    stop = _StopRequests()
+    stop = StopRequests()
     heap = FrozenHeap()
-    skips = _NonFiniteSteps(cfg, ckpt)
+    skips = NonFiniteSteps(cfg, ckpt)
     try:
         for step in range(start, end):
             guard.beat(step)  # a step (or the log/checkpoint work after it) past the deadline ends the run
@@ -323,7 +276,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
                 save(step + 1, read_next=(pending, metrics))
             evaluate = evaluator is not None and ((step + 1) % cfg.run.eval_every == 0 or last)
             if (step + 1) % max(1, cfg.run.log_every) == 0 or last or step == start or evaluate:
-                losses.extend(float(_host(x)) for x in pending)
+                losses.extend(float(host_value(x)) for x in pending)
                 pending.clear()
                 skips.check()
                 loss = losses[-1]
@@ -331,16 +284,16 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
                 elapsed = time.perf_counter() - window_start
                 tps = window_tokens / elapsed
                 mfu = tps / tokens_per_step * flops_step / (peak * len(devices)) if peak else None
-                mem = _memory_gb(jax.local_devices()[0])
+                mem = memory_gb(jax.local_devices()[0])
                 row = {
                     "step": step + 1,
                     "loss": loss,
                     "lr": float(schedule(step)),
-                    "grad_norm": float(_host(metrics["grad_norm"])) if _has_grad_norm(cfg, metrics) else None,
+                    "grad_norm": float(host_value(metrics["grad_norm"])) if _has_grad_norm(cfg, metrics) else None,
                     "tokens_per_s": tps,
                     "mfu": mfu,
                     "mem_gb": mem,
-                    "skipped": bool(_host(metrics["skipped"])) if "skipped" in metrics else False,
+                    "skipped": bool(host_value(metrics["skipped"])) if "skipped" in metrics else False,
                     # the previous save still writing, then enqueuing the host copies (in this window's time)
                     "checkpoint_s": held["window"] if ckpt is not None and cfg.run.checkpoint_every > 0 else None,
                     "includes_compile": True if step == start else None,  # its tokens_per_s is not the run's pace
@@ -359,12 +312,12 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
         summary.print(out_dir, ckpt, held["run"])
         if cfg.run.sample_tokens > 0 and end > start:
             hooks.print_sample(cfg, run.model(state), source)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (a scheduler's stop): see _StopRequests
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (a scheduler's stop): see StopRequests
         # the state after the last finished step: a checkpoint of it (and the one in flight), then stop
         if any(x.is_deleted() for x in jax.tree.leaves(state)):  # inside a step that took (donated) it
             print("\njaxdist: interrupted inside a step; the newest checkpoint is the one to resume from")
         elif ckpt is not None:
-            done = int(_host(state.step))  # the state's own count: the interrupt may precede the loop's
+            done = int(host_value(state.step))  # the state's own count: the interrupt may precede the loop's
             print(f"\njaxdist: interrupted; saving step {done}")
             save(done)
         raise
@@ -379,83 +332,6 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
         finally:
             stop.close()
     return losses
-
-
-class NonFiniteLoss(RuntimeError):
-    """The run stopped: its steps kept having a NaN/Inf loss or gradient (the message is one line)."""
-
-
-class _NonFiniteSteps:
-    """Stops the run after `run.max_skipped_steps` consecutive steps with a NaN/Inf loss or gradient (the
-    strategies skip those updates, so the state stays the last good one), or at the first NaN/Inf loss of
-    a strategy that cannot skip (FSDP's update_in_backward has applied it): before the state is saved.
-    The flags are read back in batches, at most `limit` steps behind and never the newest step's, so the
-    next step is always queued while the host waits."""
-
-    def __init__(self, cfg: TrainConfig, ckpt: Checkpoints | None):
-        self.can_skip = not (cfg.parallel.fsdp > 1 and cfg.parallel.update_in_backward)
-        self.limit = cfg.run.max_skipped_steps if self.can_skip else min(1, cfg.run.max_skipped_steps)
-        self.lr, self.ckpt = cfg.optim.lr, ckpt
-        self.pending: list = []
-        self.in_a_row = 0
-
-    def add(self, step: int, metrics: dict) -> None:
-        if self.limit:
-            self.pending.append((step, metrics.get("skipped"), metrics["loss"]))
-            if len(self.pending) > self.limit:
-                self.check(keep_newest=True)
-
-    def check(self, keep_newest: bool = False) -> None:
-        """Count the pending steps (all but the newest with `keep_newest`); raise NonFiniteLoss at the limit."""
-        done, self.pending = (self.pending[:-1], self.pending[-1:]) if keep_newest else (self.pending, [])
-        for step, skipped, loss in done:
-            bad = (skipped is not None and bool(_host(skipped))) or not np.isfinite(float(_host(loss)))
-            self.in_a_row = self.in_a_row + 1 if bad else 0
-            if self.in_a_row >= self.limit > 0:
-                self.pending = []
-                raise NonFiniteLoss(self._message(step))
-
-    def _message(self, step: int) -> str:
-        kept = f"; the checkpoints in {self.ckpt.directory} hold the last good state" if self.ckpt else ""
-        if not self.can_skip:
-            what = "its loss is NaN/Inf and parallel.update_in_backward=true has already applied its update"
-        else:
-            what = f"{self.in_a_row} steps in a row had a NaN/Inf loss or gradient and were skipped"
-        return (
-            f"stopped at step {step}: {what} (run.max_skipped_steps={self.limit}); lower optim.lr "
-            f"(now {self.lr:g}) or check the data{kept}"
-        )
-
-
-class _StopRequests:
-    """SIGTERM (a scheduler's stop) and a first Ctrl-C ask the loop to stop at the next step boundary,
-    where it saves: an interrupt then never lands inside a checkpoint save. A second one interrupts
-    at once."""
-
-    def __init__(self):
-        self.requested = False
-        self.previous = {}
-        self.deadline = None
-        if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self.previous[sig] = signal.signal(sig, self._handle)
-            self.deadline = StopDeadline(stop_grace())  # a rank stuck in a collective never reaches the boundary
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        print("\njaxdist: stopping after this step (again to stop at once)", file=sys.stderr, flush=True)
-
-    def check(self) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-
-    def close(self) -> None:
-        if self.deadline is not None:
-            self.deadline.close()
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
 
 
 def _has_grad_norm(cfg: TrainConfig, metrics: dict) -> bool:
@@ -494,63 +370,3 @@ def _restore_state(ckpt: Checkpoints, start: int, run, model_meta: dict):
     if found is None:
         raise CheckpointError(f"no readable checkpoint left in {ckpt.directory}; set run.overwrite=true to start over")
     return found
-
-
-class _Summary:
-    """The end-of-run line: steps, final loss, mean throughput (without the first, compiling, window)."""
-
-    def __init__(self):
-        self.rows, self.tokens, self.seconds = [], 0, 0.0
-
-    def add(self, row: dict, tokens: int, seconds: float) -> None:
-        if self.rows:  # the first window includes compilation
-            self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
-        self.rows.append(row)
-
-    def print(self, out_dir: Path, ckpt: Checkpoints | None, checkpoint_s: float = 0.0) -> None:
-        if not self.rows:
-            return
-        last = self.rows[-1]
-        tps = self.tokens / self.seconds if self.seconds else last["tokens_per_s"]
-        if self.seconds and checkpoint_s > 0.05 * self.seconds:  # worth saying: the loop waited on the disk
-            tps_note = f" ({checkpoint_s:.1f} s of it, {checkpoint_s / self.seconds:.0%}, waiting for checkpoint saves)"
-        else:
-            tps_note = ""
-        where = f"metrics in {out_dir / 'metrics.jsonl'}"
-        where += f", checkpoints in {ckpt.directory}" if ckpt else ", no checkpoints (run.checkpoint_every=-1)"
-        info(f"done: step {last['step']}, final loss {last['loss']:.4f}, mean {tps:,.0f} tokens/s{tps_note}; {where}")
-
-
-class _progress:
-    """A tqdm bar on process 0 (or plain lines where there is no terminal)."""
-
-    def __init__(self, cfg: TrainConfig, start: int, end: int):
-        self.bar = None
-        # a bar needs a terminal: under `jaxdist launch` (pipes) or in a log file, plain lines
-        self.plain = not cfg.run.progress or jax.process_index() != 0 or not is_terminal(sys.stderr)
-        if not self.plain:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=end, initial=start, unit="step", dynamic_ncols=True)
-        self.quiet = jax.process_index() != 0
-
-    def update(self, step: int, row: dict) -> None:
-        parts = [f"loss {row['loss']:.4f}", f"{row['tokens_per_s']:,.0f} tok/s"]
-        if "val_loss" in row:
-            parts.insert(1, f"val {row['val_loss']:.4f}")
-        if "mfu" in row:
-            parts.append(f"MFU {100 * row['mfu']:.1f}%")
-        if "mem_gb" in row:
-            parts.append(f"mem {row['mem_gb']:.1f} GiB")
-        if row.get("checkpoint_s", 0) >= 0.01:
-            parts.append(f"ckpt wait {row['checkpoint_s']:.2f} s")
-        text = "  ".join(parts)
-        if self.bar is not None:
-            self.bar.n = step
-            self.bar.set_postfix_str(text, refresh=True)
-        elif not self.quiet:
-            print(f"step {step}  {text}", flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

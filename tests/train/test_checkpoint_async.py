@@ -45,7 +45,7 @@ def test_the_saved_values_are_the_steps_even_when_its_buffers_are_donated_and_de
 
 def test_the_checksum_pass_runs_in_the_background_and_is_complete_after_wait(tmp_path, monkeypatch):
     """Reading a checkpoint back for its CRCs took the loop ~0.5 s per save when `wait` did it."""
-    from jaxdist.train import checkpoint
+    from jaxdist.train import checkpoint, checksums
 
     slow = 1.5
     slow_down(monkeypatch, checkpoint.Checkpoints, "_write_checksums", slow)
@@ -56,7 +56,7 @@ def test_the_checksum_pass_runs_in_the_background_and_is_complete_after_wait(tmp
     assert time.perf_counter() - t < slow  # returned before the checksums were written
     ckpt.wait()
     assert time.perf_counter() - t >= slow
-    assert (ckpt.directory / "1" / checkpoint.CHECKSUMS).is_file()
+    assert (ckpt.directory / "1" / checksums.CHECKSUMS).is_file()
     ckpt.close()
 
 

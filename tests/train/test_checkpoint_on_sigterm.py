@@ -11,7 +11,7 @@ from pathlib import Path
 
 from support.trainer_runs import BASE
 
-from jaxdist.train.checkpoint import CHECKSUMS
+from jaxdist.train.checksums import CHECKSUMS
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("slow_final_save_driver.py")

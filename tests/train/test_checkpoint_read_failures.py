@@ -8,7 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxdist.train.checkpoint import CHECKSUMS, CheckpointError, Checkpoints
+from jaxdist.train.checkpoint import CheckpointError, Checkpoints
+from jaxdist.train.checksums import CHECKSUMS
 
 
 @pytest.fixture
@@ -51,11 +52,11 @@ def test_a_read_that_finds_the_checkpoint_bad_sets_it_aside_and_uses_the_previou
 def test_a_resume_reads_a_checkpoints_files_for_their_checksums_once(two_saves, monkeypatch):
     """The trainer looks for the newest readable checkpoint twice (its metadata, then its state): the
     files are summed once."""
-    import jaxdist.train.checkpoint as checkpoint
+    import jaxdist.train.checksums as checksums
 
     summed = []
-    original = checkpoint._file_sums
-    monkeypatch.setattr(checkpoint, "_file_sums", lambda d, *a: summed.append(d.name) or original(d, *a))
+    original = checksums.file_sums
+    monkeypatch.setattr(checksums, "file_sums", lambda d, *a: summed.append(d.name) or original(d, *a))
     for _ in range(2):
         assert two_saves.newest_readable(lambda s: s) == (2, 2)
     assert summed == ["2"]

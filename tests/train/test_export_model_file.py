@@ -16,8 +16,8 @@ from flax import nnx
 from jaxdist.models.gpt import FLAVORS, GPT, GPTConfig
 from jaxdist.train import config as config_lib
 from jaxdist.train.array_files import read_tree
-from jaxdist.train.checkpoint import check_same_model
 from jaxdist.train.cli import main
+from jaxdist.train.model_record import check_same_model
 from jaxdist.train.trainer import train
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "trainer.md"

@@ -24,8 +24,8 @@ time.sleep(300)
 # collective waiting for a peer): the handler runs, but the loop it asks to stop never gets there
 STUCK_TRAINER = """
 import os, threading
-from jaxdist.train.trainer import _StopRequests
-stop = _StopRequests()
+from jaxdist.train.loop_guards import StopRequests
+stop = StopRequests()
 print("pid", os.getpid(), flush=True)
 lock = threading.Lock()
 lock.acquire()

@@ -9,7 +9,8 @@ import pytest
 
 from jaxdist.train import config as config_lib
 from jaxdist.train import metrics
-from jaxdist.train.trainer import MetricsLog, train
+from jaxdist.train.loop_output import MetricsLog
+from jaxdist.train.trainer import train
 
 RUN = ["model.flavor=tiny", "data.source=synthetic", "data.batch_size=8", "run.progress=false", "run.log_every=1"]
 

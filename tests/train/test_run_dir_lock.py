@@ -16,9 +16,10 @@ from flax import nnx
 
 from jaxdist.models.gpt import GPT, GPTConfig
 from jaxdist.train import config as config_lib
-from jaxdist.train.checkpoint import Checkpoints, model_record
+from jaxdist.train.checkpoint import Checkpoints
 from jaxdist.train.cli import main
 from jaxdist.train.config import ConfigError
+from jaxdist.train.model_record import model_record
 from jaxdist.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,0 +1,98 @@
+"""What stops the training loop: NaN/Inf steps in a row, and a stop request (SIGTERM, Ctrl-C) at a step's end."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+import jax
+import numpy as np
+
+from jaxdist.train.checkpoint import Checkpoints
+from jaxdist.train.config import TrainConfig
+from jaxdist.train.step_watchdog import StopDeadline, stop_grace
+
+
+def host_value(x) -> np.ndarray:
+    """A replicated array's value on this host (also in multi-process runs)."""
+    if not isinstance(x, jax.Array):
+        return np.asarray(x)
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
+
+
+class NonFiniteLoss(RuntimeError):
+    """The run stopped: its steps kept having a NaN/Inf loss or gradient (the message is one line)."""
+
+
+class NonFiniteSteps:
+    """Stops the run after `run.max_skipped_steps` consecutive steps with a NaN/Inf loss or gradient (the
+    strategies skip those updates, so the state stays the last good one), or at the first NaN/Inf loss of
+    a strategy that cannot skip (FSDP's update_in_backward has applied it): before the state is saved.
+    The flags are read back in batches, at most `limit` steps behind and never the newest step's, so the
+    next step is always queued while the host waits."""
+
+    def __init__(self, cfg: TrainConfig, ckpt: Checkpoints | None):
+        self.can_skip = not (cfg.parallel.fsdp > 1 and cfg.parallel.update_in_backward)
+        self.limit = cfg.run.max_skipped_steps if self.can_skip else min(1, cfg.run.max_skipped_steps)
+        self.lr, self.ckpt = cfg.optim.lr, ckpt
+        self.pending: list = []
+        self.in_a_row = 0
+
+    def add(self, step: int, metrics: dict) -> None:
+        if self.limit:
+            self.pending.append((step, metrics.get("skipped"), metrics["loss"]))
+            if len(self.pending) > self.limit:
+                self.check(keep_newest=True)
+
+    def check(self, keep_newest: bool = False) -> None:
+        """Count the pending steps (all but the newest with `keep_newest`); raise NonFiniteLoss at the limit."""
+        done, self.pending = (self.pending[:-1], self.pending[-1:]) if keep_newest else (self.pending, [])
+        for step, skipped, loss in done:
+            bad = (skipped is not None and bool(host_value(skipped))) or not np.isfinite(float(host_value(loss)))
+            self.in_a_row = self.in_a_row + 1 if bad else 0
+            if self.in_a_row >= self.limit > 0:
+                self.pending = []
+                raise NonFiniteLoss(self._message(step))
+
+    def _message(self, step: int) -> str:
+        kept = f"; the checkpoints in {self.ckpt.directory} hold the last good state" if self.ckpt else ""
+        if not self.can_skip:
+            what = "its loss is NaN/Inf and parallel.update_in_backward=true has already applied its update"
+        else:
+            what = f"{self.in_a_row} steps in a row had a NaN/Inf loss or gradient and were skipped"
+        return (
+            f"stopped at step {step}: {what} (run.max_skipped_steps={self.limit}); lower optim.lr "
+            f"(now {self.lr:g}) or check the data{kept}"
+        )
+
+
+class StopRequests:
+    """SIGTERM (a scheduler's stop) and a first Ctrl-C ask the loop to stop at the next step boundary,
+    where it saves: an interrupt then never lands inside a checkpoint save. A second one interrupts
+    at once."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = {}
+        self.deadline = None
+        if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handle)
+            self.deadline = StopDeadline(stop_grace())  # a rank stuck in a collective never reaches the boundary
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\njaxdist: stopping after this step (again to stop at once)", file=sys.stderr, flush=True)
+
+    def check(self) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+
+    def close(self) -> None:
+        if self.deadline is not None:
+            self.deadline.close()
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
