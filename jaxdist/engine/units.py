@@ -15,7 +15,8 @@ from flax import nnx
 from jaxdist.compat import model_sharding_dropped
 from jaxdist.core.model_state import ModelState, split_params
 from jaxdist.engine.options import Options, Units
-from jaxdist.tp.plan import CallLog, ResolvedPlan
+from jaxdist.tp.call_log import CallLog
+from jaxdist.tp.plan import ResolvedPlan
 
 
 def same_definition(a: nnx.GraphDef, b: nnx.GraphDef) -> bool:

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist.tp import layers as tp_math
+from jaxdist.tp.call_log import call_equation
 from jaxdist.tp.placement import LINEAR, Equation
-from jaxdist.tp.plan import Layer, ResolvedPlan, call_equation, static_equation, weight_name
+from jaxdist.tp.plan import Layer, ResolvedPlan, static_equation, weight_name
 from jaxdist.tp.vocab_loss import VocabShardedLogits
 
 

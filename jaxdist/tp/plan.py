@@ -49,15 +49,14 @@ derive from the resolved plan.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
-import functools
 import math
 from collections.abc import Mapping
 
 from flax import nnx
 
+from jaxdist.tp.call_log import CallLog, path_key
 from jaxdist.tp.placement import LINEAR, Equation, Placement, column, replicated, row, vocab  # noqa: F401
 from jaxdist.tp.vocab_loss import VocabShardedLogits, cross_entropy  # noqa: F401  (a plan's loss)
 
@@ -65,10 +64,6 @@ from jaxdist.tp.vocab_loss import VocabShardedLogits, cross_entropy  # noqa: F40
 def _matches(pattern: str, path: tuple) -> bool:
     parts = pattern.strip("/").split("/")
     return len(parts) == len(path) and all(fnmatch.fnmatchcase(str(p), q) for p, q in zip(path, parts, strict=True))
-
-
-def _key(path) -> tuple:
-    return tuple(map(str, path))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +124,7 @@ class TPPlan:
             if placement.kind == "replicated":
                 continue
             equation = calls.equation(path) if calls is not None else None
-            layers[_key(path)] = _resolve_layer("/".join(map(str, path)), module, placement, size, equation)
+            layers[path_key(path)] = _resolve_layer("/".join(map(str, path)), module, placement, size, equation)
         unused = sorted(set(self.layers) - used)
         if unused:
             raise ValueError(f"TPPlan: rules {unused} match no module of the model; check the paths")
@@ -402,7 +397,7 @@ class ResolvedPlan:
     layers: Mapping[tuple, Layer]
 
     def layer(self, module_path: tuple) -> Layer | None:
-        return self.layers.get(_key(module_path))
+        return self.layers.get(path_key(module_path))
 
     def placement(self, module_path: tuple) -> Placement | None:
         return self.plan.placement(module_path)
@@ -448,67 +443,3 @@ def _check_chain(unit: str, col: Layer, reader: Layer) -> None:
         f"its output, splits {reader.describe()}: the pieces do not line up (a rank would read another rank's "
         "features); split the same features on both, e.g. heads with heads: column(dim=...) / row(dim=...)"
     )
-
-
-# -- the placed layers' calls in one trace of the model ----------------------------------------
-
-
-class CallLog:
-    """Records, per unit, the placed layers a trace calls, in order, and the equation each is called with."""
-
-    def __init__(self, plan: TPPlan):
-        self.plan = plan
-        self._unit = "the model"
-        self._calls: list[tuple[str, tuple, str | None]] = []
-
-    @contextlib.contextmanager
-    def unit(self, name: str):
-        """Calls inside are the unit `name`'s."""
-        self._unit, before = name, self._unit
-        try:
-            yield
-        finally:
-            self._unit = before
-
-    def watch(self, module: nnx.Module, prefix: tuple = ()) -> nnx.Module:
-        """Re-type the placed layers of `module` (at path `prefix` in the model) to record their calls."""
-        for path, sub in list(nnx.iter_graph(module)):
-            full = (*prefix, *path)
-            if isinstance(sub, nnx.Module) and self.plan.placement(full) is not None:
-                object.__setattr__(sub, "_jaxdist_log", (self, _key(full)))
-                sub.__class__ = _recording_class(type(sub))
-        return module
-
-    def record(self, path: tuple, equation: str | None) -> None:
-        self._calls.append((self._unit, path, equation))
-
-    def equation(self, module_path: tuple) -> str | None:
-        """The equation the layer was first called with, if it was called with one."""
-        key = _key(module_path)
-        return next((eq for _, p, eq in self._calls if p == key and eq), None)
-
-    def units(self) -> dict[str, list[tuple]]:
-        out: dict[str, list[tuple]] = {}
-        for unit, path, _ in self._calls:
-            out.setdefault(unit, []).append(path)
-        return out
-
-
-def call_equation(module, args, kwargs) -> str | None:
-    """The einsum equation a layer is called with: an `einsum_str` argument or attribute, or any string
-    argument with `->` (a layer called as `layer("BTD,DNH->BTNH", x)`)."""
-    for value in (kwargs.get("einsum_str"), *args, *kwargs.values(), getattr(module, "einsum_str", None)):
-        if isinstance(value, str) and "->" in value:
-            return value
-    return None
-
-
-def _recording_call(self, *args, **kwargs):
-    log, path = self._jaxdist_log
-    log.record(path, call_equation(self, args, kwargs))
-    return type(self).__mro__[1].__call__(self, *args, **kwargs)
-
-
-@functools.cache
-def _recording_class(cls: type) -> type:
-    return type(f"Recording{cls.__name__}", (cls,), {"__call__": _recording_call})
