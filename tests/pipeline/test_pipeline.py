@@ -238,6 +238,9 @@ def test_a_corrupted_table_is_rejected_before_tracing(monkeypatch):
 # 1F1B's and ZB-H1's memory bound (and GPipe's growth): tests/pipeline/test_pipeline_activations.py
 
 
+# over 20 s: with the slow tests, beside the trainer's whole loop with parallel.pp=2 over two processes
+# (tests/train/test_multiprocess_loop_*.py); the fast run trains Pipelined as one device in this file
+@pytest.mark.slow
 def test_the_trainers_parallel_pp_trains_as_ddp_does(tmp_path):
     from support.trainer_runs import BASE
 

@@ -50,21 +50,28 @@ def test_kept_activations_run_plain_autodiffs_matmuls_and_no_second_forward(sche
 
 def test_kept_activations_do_not_grow_with_the_microbatch_count_under_1f1b_and_zb_h1():
     """Doubling the micro-batches (same micro-batch size) adds no memory under 1F1B and ZB-H1 (pp
-    residual slots, and for ZB-H1 pp slots of W's output gradients), while GPipe keeps every
-    micro-batch's residuals: 4 more, each more than one activation of 64 x 128 floats."""
+    residual slots, and for ZB-H1 pp slots of W's output gradients)."""
     activation = ROWS * D * 4
     temp, plans = {}, {}
-    for schedule in ("1f1b", "zb-h1", "gpipe"):
+    for schedule in ("1f1b", "zb-h1"):
         for m in (4, 8):
             # 4 blocks: at 4 micro-batches, the kept programs of the matmul test above (compiled once)
             temp[schedule, m], _, plans[schedule, m] = _compile(schedule, m, 4)
-    for schedule in ("1f1b", "zb-h1"):
         assert plans[schedule, 4].slots == plans[schedule, 8].slots
         assert plans[schedule, 8].res_slots == 2
         assert abs(temp[schedule, 8] - temp[schedule, 4]) < activation / 8, temp
     assert plans["zb-h1", 8].slots["cot"] == 2
-    assert plans["gpipe", 8].res_slots == 8
-    assert temp["gpipe", 8] - temp["gpipe", 4] >= 4 * activation, temp
+
+
+# two more compiles: with the slow tests (the contrast that shows the measure above sees a growth)
+@pytest.mark.slow
+def test_gpipe_keeps_every_microbatchs_activations():
+    """GPipe keeps every micro-batch's residuals: doubling 4 micro-batches to 8 adds 4, each more than one
+    activation of 64 x 128 floats."""
+    activation = ROWS * D * 4
+    (temp4, _, _), (temp8, _, plan8) = _compile("gpipe", 4, 4), _compile("gpipe", 8, 4)
+    assert plan8.res_slots == 8
+    assert temp8 - temp4 >= 4 * activation, (temp4, temp8)
 
 
 def test_the_split_backward_runs_each_equation_once_and_matches_autodiff():

@@ -7,6 +7,7 @@ checkpoint of that step that already exists."""
 import json
 import os
 
+import pytest
 from support.trainer_runs import tiny_run_config as cfg
 
 from jaxdist.train.trainer import train
@@ -25,6 +26,9 @@ def test_a_smaller_run_steps_on_a_finished_run_saves_nothing(tmp_path):
         assert json.loads((out / "checkpoints" / step / "meta" / "metadata").read_text())["step"] == int(step)
 
 
+# with the slow tests: the fast run resumes bit for bit in tests/train/test_checkpoint_kill.py, and keeps the
+# newest checkpoints in the test above
+@pytest.mark.slow
 def test_resuming_twice_with_one_checkpoint_kept_continues_exactly(tmp_path):
     """keep_checkpoints=1 and a save every step: each part leaves only its newest checkpoint, and the
     three parts' losses are the uninterrupted run's, bit for bit."""
