@@ -70,6 +70,25 @@ def test_a_full_disk_while_logging_leaves_no_half_row_and_stops_on_one_line(tmp_
     log.close()
 
 
+def test_the_log_of_a_resumed_run_drops_a_cut_short_last_row_and_skips_a_damaged_one(tmp_path, capsys):
+    """What the trainer's log does at a resume from step 2 (`MetricsLog(..., start=2)`), on the file a
+    crash left: rows of later steps go (they are trained again), a damaged row is skipped and a cut-short
+    last row dropped, each with a one-line warning naming the file."""
+    path = tmp_path / "metrics.jsonl"
+    good = ['{"step": 1, "loss": 5.5}', '{"step": 2, "loss": 5.3}']
+    path.write_text(f'{good[0]}\n{{"step": 17, "lo\n{good[1]}\n{{"step": 3, "loss": 5.1, "lr": "0.00')
+    log = MetricsLog(tmp_path, tensorboard=False, start=2)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2, err
+    assert f"line 2 of {path} is not a metrics row" in err[0]
+    assert f"the last row of {path} (line 4) is incomplete" in err[1] and "dropped" in err[1]
+    log.write({"step": 3, "loss": 5.0})
+    log.close()
+    assert [_strict(line) for line in path.read_text().splitlines()] == [*map(_strict, good), {"step": 3, "loss": 5.0}]
+
+
+# the whole loop: with the slow tests (the test above is what the trainer's log does at a resume)
+@pytest.mark.slow
 def test_a_resume_drops_a_cut_short_last_row_and_skips_a_damaged_one_with_a_warning(tmp_path, capsys):
     out = tmp_path / "run"
     over = [*RUN, f"run.out_dir={out}", "run.steps=3"]
