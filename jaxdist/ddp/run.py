@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import comm
 from jaxdist.compat import model_sharding_dropped
-from jaxdist.core.canonical import canonical_avals, check_canonical, mirrored_shardings, resharding, with_shardings
+from jaxdist.core.canonical import mirrored_shardings
 from jaxdist.core.model_state import ModelState, keep_if, split_for_training
 from jaxdist.core.step import (
     PlacedStep,
@@ -68,7 +68,9 @@ from jaxdist.ddp.buckets import (
     bucket_layout,
     unpack_shard,
 )
+from jaxdist.ddp.canonical import RenamedCanonical
 from jaxdist.ddp.interleave import LAZY, eval_interleaved, first_use_order
+from jaxdist.ddp.leaf_loss import LeafLoss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +191,16 @@ class DDPRun:
         self.param_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
         self.batch_spec = P(cfg.axis)
         self.micro_batch = self._micro_batch_avals(batch)
+        self.leaf_loss = LeafLoss(
+            self.graphdef,
+            self.treedef,
+            self.model_state,
+            self.loss_fn,
+            cfg.sum_and_count,
+            self.param_avals,
+            self.stored_avals,
+            cfg.reduce_dtype,
+        )
         order = first_use_order(self._grad_jaxpr(), {i: i for i in range(len(leaves))})
         self.layout: BucketLayout = bucket_layout(
             params,
@@ -212,31 +224,10 @@ class DDPRun:
         fix = f"dp * accumulation_steps = {per_step}; change the batch size or accumulation_steps"
         return local_batch_avals(batch, per_step, "DDP", fix)
 
-    def _loss_of_leaves(self, leaves, stored, batch):
-        """`(loss, (model state after the forward, count))` of one micro-batch: the mean and 1, or with
-        `sum_and_count` the sum and the count `loss_fn` returns."""
-        params = self.treedef.unflatten(leaves)
-        out, stored = self.model_state.apply(self.graphdef, params, stored, lambda model: self.loss_fn(model, batch))
-        if not self.cfg.sum_and_count:
-            if not (hasattr(out, "shape") and out.shape == ()):
-                flag = "; for a (sum, count) pair pass sum_and_count=True" if isinstance(out, tuple) else ""
-                shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), out)
-                raise ValueError(f"DDP: loss_fn must return a scalar mean loss{flag}, got {shapes}")
-            return out, (stored, jnp.ones((), jnp.float32))
-        if not (isinstance(out, tuple) and len(out) == 2 and all(jnp.shape(x) == () for x in out)):
-            raise ValueError(f"DDP: sum_and_count=True needs loss_fn to return (sum, count) scalars, got {out}")
-        total, count = out
-        return total, (stored, jnp.asarray(count, jnp.float32))
-
-    def _grad_fn(self):
-        return jax.value_and_grad(self._loss_of_leaves, has_aux=True)
-
-    @model_sharding_dropped()  # the model's code on one rank's shapes: its own sharding annotations are no-ops
     def _grad_jaxpr(self, micro_batch=None):
-        """Inputs: parameter leaves, model state leaves, batch leaves; outputs: loss, model state, count, gradients.
-        `micro_batch`: the micro-batch's avals (default: `prepare`'s example batch's)."""
-        micro_batch = self.micro_batch if micro_batch is None else micro_batch
-        return jax.make_jaxpr(self._grad_fn())(self.param_avals, self.stored_avals, micro_batch)
+        """The traced gradient (`jaxdist.ddp.leaf_loss.LeafLoss.grad_jaxpr`) of `micro_batch`'s avals
+        (default: `prepare`'s example batch's)."""
+        return self.leaf_loss.grad_jaxpr(self.micro_batch if micro_batch is None else micro_batch)
 
     # -- state ---------------------------------------------------------------
 
@@ -292,53 +283,44 @@ class DDPRun:
         # programs may run concurrently and meet their collectives in another order in each process
         return jax.jit(lambda tree: tree, out_shardings=self._sharding(P()))
 
-    # -- the canonical state (jaxdist.core.canonical) ------------------------------
-    # The parameters are already the model's tree, sharded as the canonical form is: converting
-    # is renaming (an nnx.State <-> its pure dict), no data moves.
+    # -- the canonical state (jaxdist.ddp.canonical) --------------------------------
+
+    @functools.cached_property
+    def _canonical(self) -> RenamedCanonical:
+        return RenamedCanonical(
+            self.treedef,
+            self.pure_treedef,
+            self.param_avals,
+            self.stored_avals,
+            self.optimizer,
+            self.state_shardings,
+            self.cfg.mesh,
+        )
 
     @on_own_mesh
     def canonical_shardings(self) -> TrainState:
-        """Where the canonical state lives: where this run stores it (under zero1 each parameter and its
-        optimizer state split over the axis along the first dimension that divides; else replicated)."""
-        own = self.state_shardings
-        params = self.pure_treedef.unflatten(jax.tree.leaves(own.params))
-        opt = jax.tree.structure(self._canonical_avals().opt_state).unflatten(jax.tree.leaves(own.opt_state))
-        return TrainState(params, opt, own.step, own.model_state)
-
-    def _canonical_avals(self) -> TrainState:
-        return canonical_avals(self.optimizer, self.pure_treedef.unflatten(self.param_avals), self.stored_avals)
+        """Where the canonical state lives (`jaxdist.ddp.canonical.RenamedCanonical.shardings`)."""
+        return self._canonical.shardings()
 
     @on_own_mesh
     def canonical(self, state: TrainState) -> TrainState:
         """`state` in the canonical form (parameters as the model's pure dict, the optimizer state of
         `optimizer.init` on it), resharded inside jit onto `canonical_shardings()`."""
-        return self._canonical_fn(state)
-
-    @functools.cached_property
-    def _canonical_fn(self):
-        # built once: a new jit per call would retrace and recompile at every checkpoint
-        return resharding(self._to_canonical, self.cfg.mesh, self.canonical_shardings())
+        return self._canonical.to_canonical_jit(state)
 
     @on_own_mesh
     def from_canonical(self, tree: TrainState) -> TrainState:
         """This run's state from a canonical one (e.g. restored from a checkpoint of another layout)."""
-        check_canonical(tree, self._canonical_avals(), "DDP")
-        return resharding(self._from_canonical, self.cfg.mesh, self.state_shardings)(on_auto_axes(tree))
+        return self._canonical.from_canonical_checked(tree)
 
     @on_own_mesh
     def canonical_target(self) -> TrainState:
         """The canonical state's ShapeDtypeStructs with shardings (what a checkpoint restores onto)."""
-        return with_shardings(self._canonical_avals(), self.canonical_shardings())
-
-    def _to_canonical(self, state: TrainState) -> TrainState:
-        params = self.pure_treedef.unflatten(jax.tree.leaves(state.params))
-        opt = jax.tree.structure(self._canonical_avals().opt_state).unflatten(jax.tree.leaves(state.opt_state))
-        return TrainState(params, opt, state.step, state.model_state)
+        return self._canonical.target()
 
     def _from_canonical(self, tree: TrainState) -> TrainState:
-        params = self.treedef.unflatten(jax.tree.leaves(tree.params))
-        opt = jax.tree.structure(self.state_shardings.opt_state).unflatten(jax.tree.leaves(tree.opt_state))
-        return TrainState(params, opt, tree.step, tree.model_state)
+        """`from_canonical`'s traced conversion (no checks, not jitted): for reading its compiled program."""
+        return self._canonical.from_canonical(tree)
 
     # -- the step ------------------------------------------------------------
 
@@ -381,11 +363,6 @@ class DDPRun:
         new = TrainState(params, opt_state, state.step + 1, model_state)
         return new, {"loss": loss, "grad_norm": norm, "skipped": skipped}
 
-    def _wide_dtype(self, dtype):
-        """Where micro-batch gradients are summed: the wider of the parameter's and the reduction's dtype
-        (float32 for bfloat16 parameters; a bfloat16 sum would lose what reducing in float32 keeps)."""
-        return jnp.promote_types(dtype, self.cfg.reduce_dtype or dtype)
-
     @model_sharding_dropped()
     def _plain_grads(self, params: list, model_state, step, batch):
         """`_local_grads` of the only rank (an axis of size 1), as the plain step computes it: the
@@ -395,21 +372,11 @@ class DDPRun:
         a = cfg.accumulation_steps
         stored = self.model_state.for_step(model_state, jnp.zeros((), jnp.int32), step)
         micro = jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), batch)
-        grad_fn = self._grad_fn()
+        grad_fn = self.leaf_loss.grad_fn()
         last = jax.tree.map(lambda x: x[-1], micro)
         loss_sum = count_sum = jnp.zeros((), jnp.float32)
         if a > 1:
-
-            def accumulate(carry, mb):
-                loss_sum, count_sum, acc, stored = carry
-                (loss, (stored, count)), grads = grad_fn(params, stored, mb)
-                acc = [g + d for g, d in zip(acc, grads, strict=True)]
-                return (loss_sum + loss, count_sum + count, acc, stored), None
-
-            zeros = [jnp.zeros(x.shape, self._wide_dtype(x.dtype)) for x in self.param_avals]
-            first = jax.tree.map(lambda x: x[:-1], micro)
-            carry = (loss_sum, count_sum, zeros, stored)
-            (loss_sum, count_sum, acc, stored), _ = jax.lax.scan(accumulate, carry, first)
+            loss_sum, count_sum, acc, stored = self.leaf_loss.accumulate(params, stored, micro)
         (loss, (stored, count)), grads = grad_fn(params, stored, last)
         if a > 1:
             grads = [(g + s) / np.asarray(a, g.dtype) for g, s in zip(grads, acc, strict=True)]
@@ -448,18 +415,7 @@ class DDPRun:
                 leaves[i] = LAZY
         loss_sum = count_sum = jnp.zeros((), jnp.float32)
         if a > 1:  # no_sync micro-batches: local gradients only, summed; the model state runs on through them
-            grad_fn = self._grad_fn()
-
-            def accumulate(carry, mb):
-                loss_sum, count_sum, acc, stored = carry
-                (loss, (stored, count)), grads = grad_fn(leaves, stored, mb)
-                acc = [g + d for g, d in zip(acc, grads, strict=True)]
-                return (loss_sum + loss, count_sum + count, acc, stored), None
-
-            zeros = [jnp.zeros(x.shape, self._wide_dtype(x.dtype)) for x in self.param_avals]
-            first = jax.tree.map(lambda x: x[:-1], micro)
-            carry = (loss_sum, count_sum, zeros, stored)
-            (loss_sum, count_sum, acc, stored), _ = jax.lax.scan(accumulate, carry, first)
+            loss_sum, count_sum, acc, stored = self.leaf_loss.accumulate(leaves, stored, micro)
             sched.accumulated = acc
         last = jax.tree.map(lambda x: x[-1], micro)
         lazy = {i: b for i, b in gathered.items() if leaves[i] is LAZY}
