@@ -11,8 +11,10 @@ joins the slices).
 The files are written side by side, one thread each (a file system serializes the writes into one
 file: 8 threads writing one file ran at the speed of one), with `os.pwritev` straight from the
 arrays' host memory, each `CHUNK_BYTES` piece's CRC-32 summed from memory as it is written, so the
-checksums need no second read; each file is fsync'd before the handler returns, and orbax renames the
-checkpoint into place only after every process's handler has. Orbax's own per-array writer costs
+checksums need no second read. A writer takes an array's value only when its writes reach it, so the
+copies into host memory of the arrays later in a file overlap the writes of those before. Each file
+is fsync'd before the handler returns, and orbax renames the checkpoint into place only after every
+process's handler has. Orbax's own per-array writer costs
 about a millisecond per array on top of the bytes (a GPT's train state has hundreds), which is what
 this handler exists to avoid.
 
@@ -29,7 +31,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -80,10 +82,36 @@ def _workers() -> int:
 # -- writing ----------------------------------------------------------------------------------------
 
 
+class _HostValue:
+    """One array's value in host memory as a C-contiguous NumPy array, converted once, by the first writer
+    thread that needs it (the copies into host memory finish while the files are already being written)."""
+
+    def __init__(self, source):
+        self.source, self._lock, self._value = source, threading.Lock(), None
+
+    def get(self) -> np.ndarray:
+        with self._lock:
+            if self._value is None:
+                self._value = np.ascontiguousarray(np.asarray(self.source))
+                self.source = None
+            return self._value
+
+
 @dataclasses.dataclass
 class _Blob:
     key: str
-    data: np.ndarray  # C-contiguous, in host memory
+    source: _HostValue
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    rows: tuple[int, int] | None = None  # a slice of the source along its first dimension
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def value(self) -> np.ndarray:
+        whole = self.source.get()
+        return whole if self.rows is None else whole[self.rows[0] : self.rows[1]]
 
 
 def _local_blobs(tree) -> tuple[list[_Blob], dict]:
@@ -101,7 +129,7 @@ def _local_blobs(tree) -> tuple[list[_Blob], dict]:
         leaves[name] = {"shape": list(x.shape), "dtype": _NAMES[dtype]}
         if isinstance(x, np.ndarray):
             if jax.process_index() == 0:
-                blobs.append(_Blob(name, np.ascontiguousarray(x)))
+                blobs.append(_Blob(name, _HostValue(x), x.shape, dtype))
             continue
         for shard in x.addressable_shards:
             if shard.replica_id != 0:
@@ -109,18 +137,8 @@ def _local_blobs(tree) -> tuple[list[_Blob], dict]:
             box = [s.indices(n)[:2] for s, n in zip(shard.index, x.shape, strict=True)]
             whole = all(box_dim == (0, n) for box_dim, n in zip(box, x.shape, strict=True))
             key = name if whole else name + "@" + ",".join(f"{a}:{b}" for a, b in box)
-            blobs.append(_Blob(key, shard.data))
+            blobs.append(_Blob(key, _HostValue(shard.data), tuple(shard.data.shape), dtype))
     return blobs, leaves
-
-
-def _host_values(blobs: list[_Blob]) -> None:
-    """Each blob's value as a C-contiguous NumPy array, read from the (host) shards on several threads."""
-
-    def value(blob: _Blob):
-        blob.data = np.ascontiguousarray(np.asarray(blob.data))
-
-    with ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="jaxdist-host-values") as pool:
-        list(pool.map(value, blobs))
 
 
 def _header(blobs: list[_Blob], leaves: dict) -> bytes:
@@ -128,10 +146,10 @@ def _header(blobs: list[_Blob], leaves: dict) -> bytes:
     metadata describes the leaves the blobs belong to."""
     entries, offset = {}, 0
     for blob in blobs:
-        n = blob.data.nbytes
+        n = blob.nbytes
         entries[blob.key] = {
-            "dtype": _NAMES[blob.data.dtype],
-            "shape": list(blob.data.shape),
+            "dtype": _NAMES[blob.dtype],
+            "shape": list(blob.shape),
             "data_offsets": [offset, offset + n],
         }
         offset += n
@@ -145,17 +163,18 @@ def _header(blobs: list[_Blob], leaves: dict) -> bytes:
 def _split_rows(blob: _Blob, most_bytes: int) -> list[_Blob]:
     """`blob` as blobs of whole rows (along its first dimension) of at most about `most_bytes` each, so
     that one large array does not make one file, written by one thread, the last to finish."""
-    data = blob.data
-    if data.ndim == 0 or data.shape[0] < 2 or data.nbytes <= most_bytes:
+    shape = blob.shape
+    if len(shape) == 0 or shape[0] < 2 or blob.nbytes <= most_bytes:
         return [blob]
     name, _, where = blob.key.partition("@")
-    box = [tuple(map(int, a)) for a in _SLICE.findall(where)] or [(0, n) for n in data.shape]
-    rows = max(1, most_bytes // (data.nbytes // data.shape[0]))
+    box = [tuple(map(int, a)) for a in _SLICE.findall(where)] or [(0, n) for n in shape]
+    rows = max(1, most_bytes // (blob.nbytes // shape[0]))
     out = []
-    for r in range(0, data.shape[0], rows):
-        part = data[r : r + rows]
-        cut = [(box[0][0] + r, box[0][0] + r + part.shape[0]), *box[1:]]
-        out.append(_Blob(name + "@" + ",".join(f"{a}:{b}" for a, b in cut), part))
+    for r in range(0, shape[0], rows):
+        stop = min(r + rows, shape[0])
+        cut = [(box[0][0] + r, box[0][0] + stop), *box[1:]]
+        key = name + "@" + ",".join(f"{a}:{b}" for a, b in cut)
+        out.append(_Blob(key, blob.source, (stop - r, *shape[1:]), blob.dtype, rows=(r, stop)))
     return out
 
 
@@ -165,25 +184,44 @@ def _into_files(blobs: list[_Blob], files: int) -> list[list[_Blob]]:
     its item size."""
     groups: list[list[_Blob]] = [[] for _ in range(files)]
     loads = [0] * files
-    for blob in sorted(blobs, key=lambda b: -b.data.nbytes):
+    for blob in sorted(blobs, key=lambda b: -b.nbytes):
         k = loads.index(min(loads))
         groups[k].append(blob)
-        loads[k] += blob.data.nbytes
+        loads[k] += blob.nbytes
     # a process that holds no shard of replica 0 (e.g. the second dp row of HSDP) still writes one file: every
     # process's save then runs the same steps, and the file records the leaves it saw
-    return [sorted(g, key=lambda b: -b.data.dtype.itemsize) for g in groups if g] or [[]]
+    return [sorted(g, key=lambda b: -b.dtype.itemsize) for g in groups if g] or [[]]
 
 
-def _write_file(path: Path, blobs: list[_Blob], leaves: dict, chunk: int) -> tuple[int, list[int]]:
-    """Write one safetensors file of `blobs` and fsync it; returns its size and the CRC-32 of each `chunk`
+@dataclasses.dataclass
+class _FileWrite:
+    size: int
+    crcs: list[int]
+    waited_s: float  # for the blobs' values in host memory
+
+
+def _write_file(path: Path, blobs: list[_Blob], leaves: dict, chunk: int) -> _FileWrite:
+    """Write one safetensors file of `blobs` and fsync it; returns its size, the CRC-32 of each `chunk`
     bytes, summed from memory as they are written (the writes and sums release the GIL: the files of
-    one save are written side by side)."""
+    one save are written side by side), and the time spent waiting for the blobs' host values (each
+    taken only when the writes reach it)."""
     header = _header(blobs, leaves)
-    segments = [memoryview(header)] + [memoryview(b.data.reshape(-1).view(np.uint8)) for b in blobs if b.data.nbytes]
-    size, crcs = sum(len(s) for s in segments), []
+    waited = 0.0
+
+    def segments():
+        nonlocal waited
+        yield memoryview(header)
+        for blob in blobs:
+            if blob.nbytes:
+                began = time.perf_counter()
+                data = blob.value()
+                waited += time.perf_counter() - began
+                yield memoryview(data.reshape(-1).view(np.uint8))
+
+    size, crcs = len(header) + sum(b.nbytes for b in blobs), []
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        for offset, views in _pieces(segments, chunk):
+        for offset, views in _pieces(segments(), chunk):
             crc = 0
             for view in views:
                 crc = crc32(view, crc)
@@ -192,12 +230,13 @@ def _write_file(path: Path, blobs: list[_Blob], leaves: dict, chunk: int) -> tup
         os.fsync(fd)
     finally:
         os.close(fd)
-    return size, crcs
+    return _FileWrite(size, crcs, waited)
 
 
-def _pieces(segments: list[memoryview], chunk: int) -> list[tuple[int, list[memoryview]]]:
-    """The file's bytes (`segments` back to back) cut at every multiple of `chunk`: (offset, views)."""
-    pieces, current, start, offset = [], [], 0, 0
+def _pieces(segments: Iterable[memoryview], chunk: int) -> Iterator[tuple[int, list[memoryview]]]:
+    """The file's bytes (`segments` back to back) cut at every multiple of `chunk`: (offset, views), each
+    piece as soon as its segments are (a segment is taken only when the piece before it is written)."""
+    current, start, offset, any_piece = [], 0, 0, False
     for view in segments:
         position = 0
         while position < len(view):
@@ -206,11 +245,10 @@ def _pieces(segments: list[memoryview], chunk: int) -> list[tuple[int, list[memo
             position += take
             offset += take
             if offset - start == chunk:
-                pieces.append((start, current))
-                current, start = [], offset
-    if current or not pieces:
-        pieces.append((start, current))
-    return pieces
+                yield start, current
+                any_piece, current, start = True, [], offset
+    if current or not any_piece:
+        yield start, current
 
 
 def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> None:
@@ -228,7 +266,9 @@ def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class Written:
     """What `write_arrays` wrote: its files' checksums as `Checkpoints` records them (`{name: [size,
-    [CRC-32 of each chunk_bytes piece]]}`) and the seconds spent waiting for the host values and writing."""
+    [CRC-32 of each chunk_bytes piece]]}`); `copy_s`, the longest one writer thread waited for host values
+    (the copies into host memory still in flight when the writes reached them), and `write_s`, the rest
+    of the writing's wall time."""
 
     sums: dict
     chunk_bytes: int
@@ -243,21 +283,21 @@ def write_arrays(directory: Path, tree, chunk_bytes: int = CHUNK_BYTES) -> Writt
     """Write this process's share of `tree` (host or device arrays: copies of the state, which the training
     loop does not overwrite) into `directory`, in up to 8 files written side by side (one file is written
     by one thread at a time: a file system serializes the writes into one file), each fsync'd and summed
-    by `chunk_bytes` pieces as it is written."""
+    by `chunk_bytes` pieces as it is written. An array's value is taken when its file's writes reach it:
+    the copies into host memory of the arrays written later overlap the writes of those written first."""
     began = time.perf_counter()
     Path(directory).mkdir(parents=True, exist_ok=True)
     blobs, leaves = _local_blobs(tree)
-    _host_values(blobs)
-    copied = time.perf_counter()
-    total = sum(b.data.nbytes for b in blobs)
+    total = sum(b.nbytes for b in blobs)
     files = max(1, min(_workers(), total // FILE_BYTES))
     blobs = [part for blob in blobs for part in _split_rows(blob, max(FILE_BYTES, total // (2 * files)))]
     groups = _into_files(blobs, files)
     paths = [Path(directory) / f"arrays.{jax.process_index()}.{k}.safetensors" for k in range(len(groups))]
     with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="jaxdist-write") as pool:
         written = list(pool.map(lambda pg: _write_file(*pg, leaves, chunk_bytes), zip(paths, groups, strict=True)))
-    sums = {path.name: [size, crcs] for path, (size, crcs) in zip(paths, written, strict=True)}
-    return Written(sums, chunk_bytes, copy_s=copied - began, write_s=time.perf_counter() - copied)
+    sums = {path.name: [w.size, w.crcs] for path, w in zip(paths, written, strict=True)}
+    waited = max(w.waited_s for w in written)
+    return Written(sums, chunk_bytes, copy_s=waited, write_s=time.perf_counter() - began - waited)
 
 
 # -- reading ----------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ equal size (large arrays split by rows), each piece's CRC-32 summed while writte
 file, values and dtypes exact when read back onto other shardings, and a damaged or incomplete set of
 files refused by name. No training: plain arrays on the 8 CPU devices."""
 
+import os
+import threading
 import zlib
 
 import jax
@@ -146,3 +148,35 @@ def test_a_process_holding_no_shard_of_replica_0_writes_one_file_of_no_tensors(v
     assert list(written.sums) == ["arrays.1.0.safetensors"]
     with safe_open(tmp_path / "arrays.1.0.safetensors", framework="numpy") as f:
         assert list(f.keys()) == []
+
+
+def test_a_files_writes_start_before_the_values_later_in_it_are_in_host_memory(tmp_path, monkeypatch):
+    """A value is taken when its file's writes reach it: a copy into host memory still in flight holds back
+    only the bytes after it. Here the int8 array, laid out last, becomes readable only once the file's
+    first piece is written; a writer that waited for every value first would never write that piece."""
+    first_write = threading.Event()
+    pwritev = os.pwritev
+
+    def pwritev_then_signal(*args):
+        written = pwritev(*args)
+        first_write.set()
+        return written
+
+    get = array_files._HostValue.get
+
+    def get_late_after_a_write(self):
+        if self.source is not None and np.dtype(self.source.dtype) == np.int8:
+            assert first_write.wait(timeout=30), "the file's first piece was not written before its last value"
+        return get(self)
+
+    monkeypatch.setattr(array_files, "FILE_BYTES", 32 << 20)  # one file (the module's fixture sets smaller files)
+    monkeypatch.setattr(array_files.os, "pwritev", pwritev_then_signal)
+    monkeypatch.setattr(array_files._HostValue, "get", get_late_after_a_write)
+    tree = {"early": jnp.arange(16384, dtype=jnp.float32), "late": jnp.arange(100, dtype=jnp.int8)}
+    written = array_files.write_arrays(tmp_path, tree, chunk_bytes=4096)
+    assert len(written.sums) == 1
+    restored = array_files.restore_arrays(
+        tmp_path, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    )
+    for name in tree:
+        np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(tree[name]))
