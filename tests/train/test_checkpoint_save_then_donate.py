@@ -2,14 +2,11 @@
 step that donates and overwrites the very arrays handed to `save` right after must still leave the
 checkpoint holding the values of the moment `save` was called, bit for bit."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist.train import host_copy
 from jaxdist.train.checkpoint import Checkpoints
 from jaxdist.train.host_copy import host_memory_kind, start_host_copy
 
@@ -97,28 +94,6 @@ def test_an_array_already_in_host_memory_is_copied_too():
     copy = start_host_copy(x)
     assert copy.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
     np.testing.assert_array_equal(np.asarray(copy), np.arange(1024.0))
-
-
-def test_the_copies_off_one_device_are_one_program_built_once(monkeypatch):
-    """The loop waits while a save enqueues its copies: those off one device are one jitted program (one
-    dispatch for the state's hundreds of arrays), built for a layout once and reused by the next save."""
-    built = []
-    jitted = host_copy._jitted_copy.__wrapped__
-
-    @functools.lru_cache(maxsize=16)
-    def counted(targets):
-        built.append(targets)
-        return jitted(targets)
-
-    monkeypatch.setattr(host_copy, "_jitted_copy", counted)
-    tree = {f"w{i}": jnp.full((i + 1, 3), float(i)) for i in range(5)} | {"step": jnp.int32(4)}
-    for _ in range(2):
-        copy = start_host_copy(tree)
-        kind = host_memory_kind(jax.devices()[0])
-        assert {x.sharding.memory_kind for x in jax.tree.leaves(copy)} == {kind}
-        for key in tree:
-            np.testing.assert_array_equal(np.asarray(copy[key]), np.asarray(tree[key]), strict=True)
-    assert len(built) == 1 and len(built[0]) == 6  # one program of all six arrays, for both saves
 
 
 @pytest.mark.parametrize("error", [RuntimeError("RESOURCE_EXHAUSTED: pinned host memory"), KeyboardInterrupt()])
