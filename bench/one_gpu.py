@@ -258,8 +258,8 @@ def checkpoint_tables(args, base: Path) -> str:
         lines += [
             f"| bytes | {gib:.2f} GiB |",
             f"| `save()` (the loop waits: the device-to-host copies enqueued) | {save['save()']:.3f} s |",
-            f"| copied, written, fsync'd and checksummed (background; saves apart) | {save['written and summed']:.3f} s, "
-            f"{rate:.2f} GiB/s |",
+            f"| copied, written, fsync'd and checksummed (background; saves apart) | "
+            f"{save['written and summed']:.3f} s, {rate:.2f} GiB/s |",
             f"| of which: waits for copies / writes, summed as written / the other files' sums | "
             f"{save['copy_s']:.3f} / {save['write_s']:.3f} / {save['checksum_s']:.3f} s |",
             f"| the same, saves back to back (the oldest checkpoint deleted beside the writes) | "
