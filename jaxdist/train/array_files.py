@@ -1,4 +1,4 @@
-"""A train state's arrays as safetensors files written at the disk's speed: an orbax item handler.
+"""A train state's arrays as safetensors files written at the disk's speed, and read back onto any layout.
 
 Each process writes the shards it owns once (those of replica 0: together, the processes' files hold
 each array once) into up to 8 safetensors files, `arrays.<process>.<k>.safetensors`, of about equal
@@ -13,10 +13,10 @@ file: 8 threads writing one file ran at the speed of one), with `os.pwritev` str
 arrays' host memory, each `CHUNK_BYTES` piece's CRC-32 summed from memory as it is written, so the
 checksums need no second read. A writer takes an array's value only when its writes reach it, so the
 copies into host memory of the arrays later in a file overlap the writes of those before. Each file
-is fsync'd before the handler returns, and orbax renames the checkpoint into place only after every
-process's handler has. Orbax's own per-array writer costs
-about a millisecond per array on top of the bytes (a GPT's train state has hundreds), which is what
-this handler exists to avoid.
+is fsync'd before `write_arrays` returns; orbax's item handler over it (`jaxdist.train.arrays_handler`)
+renames the checkpoint into place only after every process's write has. Orbax's own per-array writer
+costs about a millisecond per array on top of the bytes (a GPT's train state has hundreds), which is
+what these files exist to avoid.
 
 A restore reads each target shard straight from the files (memory-mapped), only the bytes of the
 slices that device needs, onto any sharding: whatever layout saved the state.
@@ -39,7 +39,6 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
-import orbax.checkpoint as ocp
 
 from jaxdist.train.checksums import crc32
 
@@ -426,47 +425,3 @@ def read_tree(directory: Path, prefix: str = "", place: Callable[[tuple[int, ...
             shape = files.shape_dtype(name)[0]
             node[parts[-1]] = jax.make_array_from_callback(shape, place(shape), functools.partial(files.read, name))
     return out
-
-
-# -- the orbax item handler -------------------------------------------------------------------------
-
-
-class ArraysHandler(ocp.AsyncCheckpointHandler):
-    """Orbax's item handler for `write_arrays`: orbax creates the temporary directory, runs the write in its
-    commit thread and renames the checkpoint once every process's write has returned. `written` is what
-    the last save of this process wrote (`Checkpoints` records its checksums without a second read)."""
-
-    def __init__(self):
-        self.written: Written | None = None
-
-    async def async_save(self, directory, args: ArraysSave):
-        async def write():
-            self.written = write_arrays(Path(await _created(directory)), args.item, args.chunk_bytes)
-
-        self.written = None
-        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="jaxdist_arrays_save")]
-
-    def save(self, directory, args: ArraysSave):
-        self.written = write_arrays(Path(directory), args.item, args.chunk_bytes)
-
-    def restore(self, directory, args: ArraysRestore):
-        return restore_arrays(Path(directory), args.item)
-
-
-async def _created(directory):
-    """The directory's path, once it exists (orbax may hand a directory still being created)."""
-    awaiting = getattr(directory, "await_creation", None)
-    return await awaiting() if awaiting is not None else directory
-
-
-@ocp.args.register_with_handler(ArraysHandler, for_save=True)
-@dataclasses.dataclass
-class ArraysSave(ocp.args.CheckpointArgs):
-    item: Any
-    chunk_bytes: int = CHUNK_BYTES  # the pieces each CRC-32 covers
-
-
-@ocp.args.register_with_handler(ArraysHandler, for_restore=True)
-@dataclasses.dataclass
-class ArraysRestore(ocp.args.CheckpointArgs):
-    item: Any  # the target: ShapeDtypeStructs with shardings

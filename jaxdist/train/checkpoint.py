@@ -49,7 +49,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxdist.train import checksums
-from jaxdist.train.array_files import ArraysHandler, ArraysRestore, ArraysSave, read_tree
+from jaxdist.train.array_files import read_tree
+from jaxdist.train.arrays_handler import ArraysHandler, ArraysRestore, ArraysSave
 from jaxdist.train.config import ConfigError
 from jaxdist.train.host_copy import start_host_copy, wait_for_host_copy
 from jaxdist.train.orbax_logs import DropOrbaxLogs
