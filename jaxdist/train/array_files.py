@@ -168,12 +168,12 @@ def _split_rows(blob: _Blob, most_bytes: int) -> list[_Blob]:
     name, _, where = blob.key.partition("@")
     box = [tuple(map(int, a)) for a in _SLICE.findall(where)] or [(0, n) for n in shape]
     rows = max(1, most_bytes // (blob.nbytes // shape[0]))
-    out = []
+    out, first = [], blob.rows[0] if blob.rows else 0  # rows of the source (a blob split before starts later)
     for r in range(0, shape[0], rows):
         stop = min(r + rows, shape[0])
         cut = [(box[0][0] + r, box[0][0] + stop), *box[1:]]
         key = name + "@" + ",".join(f"{a}:{b}" for a, b in cut)
-        out.append(_Blob(key, blob.source, (stop - r, *shape[1:]), blob.dtype, rows=(r, stop)))
+        out.append(_Blob(key, blob.source, (stop - r, *shape[1:]), blob.dtype, rows=(first + r, first + stop)))
     return out
 
 

@@ -180,3 +180,17 @@ def test_a_files_writes_start_before_the_values_later_in_it_are_in_host_memory(t
     )
     for name in tree:
         np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(tree[name]))
+
+
+def test_a_scalar_is_stored_with_no_dimensions_and_a_split_blob_splits_again_by_its_own_rows(tmp_path):
+    """A scalar's safetensors entry has shape () (not (1,)); splitting rows that were split before takes
+    the rows its name says."""
+    tree = {"step": jnp.int32(7), "w": jnp.arange(40.0, dtype=jnp.float32).reshape(10, 4)}
+    array_files.write_arrays(tmp_path, tree)
+    (file,) = tmp_path.glob("*.safetensors")
+    with safe_open(file, "np") as f:
+        assert f.get_tensor("step").shape == ()
+    blobs, _ = array_files._local_blobs({"w": np.arange(40.0, dtype=np.float32).reshape(10, 4)})
+    (late,) = [b for b in array_files._split_rows(blobs[0], 6 * 16) if b.key.endswith("@6:10,0:4")]
+    (part,) = [b for b in array_files._split_rows(late, 2 * 16) if b.key.endswith("@8:10,0:4")]
+    np.testing.assert_array_equal(part.value(), np.arange(32.0, 40.0).reshape(2, 4))
