@@ -65,7 +65,7 @@ def test_the_loops_saves_compile_nothing_after_the_warm_up(tmp_path, monkeypatch
     # the canonical call before the warm-up comes right after the first step, which froze the heap; the
     # loop's end released it (a process that trains again collects those objects as usual)
     if before:  # objects frozen before the run (375 on a GPU test host): the loop leaves the collector alone
-        assert all(n == before for n in frozen), frozen
+        assert all(n <= before for n in frozen), frozen  # none frozen by the loop (freed ones leave the count)
     else:
         assert all(n > before + 1000 for n in frozen), frozen
     assert gc.get_freeze_count() == before

@@ -26,7 +26,9 @@ def test_a_caller_who_froze_objects_or_switched_the_collector_off_keeps_control(
         heap = FrozenHeap()
         heap.freeze()
         heap.release()
-        assert gc.get_freeze_count() == theirs  # not unfrozen by the loop's end
+        # neither frozen again nor unfrozen by the loop's end (an unfreeze empties the permanent generation;
+        # a frozen object another thread lets go of meanwhile leaves it, so the count may drop by a few)
+        assert 0 < gc.get_freeze_count() <= theirs and not heap.frozen
     finally:
         gc.unfreeze()
     gc.disable()
