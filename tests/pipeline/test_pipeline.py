@@ -117,8 +117,8 @@ MLP_CASES = {
 }
 
 
-# 1F1B with AdamW is the fast run's for the GPT's blocks in tests/pipeline/test_pipeline_block_kinds.py (1f1b-kept)
-# and interleaved under tp in the GPT's tied case above: slow here
+# 1F1B with AdamW is the fast run's for the GPT's blocks in tests/strategies/test_strategies_in_mesh_context.py
+# (pipeline-explicit-same, pp2 x dp4) and interleaved under tp in the GPT's tied case above: slow here
 SLOW_MLP_CASES = {"pp2xdp4-1f1b-m4-adamw", "pp2xdp2xtp2-interleaved-v2-m4-recompute-sgd"}
 
 

@@ -33,7 +33,12 @@ STEPS = 3
 @pytest.mark.parametrize(
     ("shape", "names", "options", "model"),
     [
-        ((2, 4), ("pp", "dp"), dict(microbatches=2), dict(d=8, hidden=13, layers=4)),
+        # 1F1B over pp2 x dp4 trains odd blocks (leaves split over pp beside a scalar gate and a size-1 shift) as one
+        # device in the fast run in the tied-weight test below; sizes nothing divides under the active clip in
+        # pp2xfsdp2xtp2-gpipe
+        pytest.param(
+            (2, 4), ("pp", "dp"), dict(microbatches=2), dict(d=8, hidden=13, layers=4), marks=pytest.mark.slow
+        ),
         (
             (2, 2, 2),
             ("pp", "fsdp", "tp"),
