@@ -7,6 +7,7 @@ this module runs the loop around it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from pathlib import Path
@@ -213,6 +214,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
     bar = Progress(cfg, start, end)
     losses: list[float] = []
     pending: list = []
+    due: list = []  # at most one: the save and row of the step before the newest, done once the newest is queued
     meta_out = {
         "model": model_meta,
         "layout": layout,
@@ -224,26 +226,69 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
     held = {"window": 0.0, "run": 0.0, "saves": 0}  # seconds the loop waited in checkpoint saves
 
     def save(step: int, in_loop: bool = True, read_next=()):
+        finish = stage_save(step, in_loop, read_next)
+        if finish is not None:
+            finish()
+
+    def stage_save(step: int, in_loop: bool = True, read_next=()):
+        """Enqueue the copies of the state saved as `step` and return what finishes the save (the NaN/Inf
+        check, then the write in the background); None if `step` is not saved."""
         # only steps this invocation trained: a resumed run has its start step already (a finished run
         # given a smaller run.steps would otherwise save its newest state under the smaller step's name)
         if ckpt is None or step <= start or step == ckpt.latest():
             skips.check()
-            return
+            return None
         # the conversion and the host copies are enqueued first, while the device still runs the queued
         # steps; then the check waits for those steps: a state they stopped the run for (NaN/Inf) is never saved
         _fetch_ahead((skips.pending, read_next))  # what the loop reads next (the check, the log row)
         began = time.perf_counter()
         staged = ckpt.stage(run.canonical(state))
-        waited = time.perf_counter() - began
+        staged_s = time.perf_counter() - began
+
+        def finish():
+            began = time.perf_counter()
+            skips.check()
+            samples = first_sample + (step - start) * cfg.data.batch_size  # where the data stream continues
+            ckpt.save(step, staged, {**meta_out, "step": step, "data_samples": samples})
+            waited = staged_s + time.perf_counter() - began
+            held["window"] += waited
+            held["saves"] += 1
+            # as the mean tokens/s: the loop's windows after the first; the first save also compiles
+            held["run"] += waited if in_loop and held["saves"] > 1 else 0.0
+
+        return finish
+
+    def log_row(step: int, losses_read: list, metrics: dict, evaluate: bool) -> None:
+        """The metrics row of `step + 1` (its losses `losses_read`, its metrics), once those are on the host."""
+        nonlocal window_start, window_tokens
+        losses.extend(float(host_value(x)) for x in losses_read)
         skips.check()
-        began = time.perf_counter()
-        samples = first_sample + (step - start) * cfg.data.batch_size  # where the data stream continues
-        ckpt.save(step, staged, {**meta_out, "step": step, "data_samples": samples})
-        waited += time.perf_counter() - began
-        held["window"] += waited
-        held["saves"] += 1
-        # as the mean tokens/s: the loop's windows after the first; the first save also compiles
-        held["run"] += waited if in_loop and held["saves"] > 1 else 0.0
+        jax.block_until_ready(metrics)
+        elapsed = time.perf_counter() - window_start
+        tps = window_tokens / elapsed
+        mfu = tps / tokens_per_step * flops_step / (peak * len(devices)) if peak else None
+        row = {
+            "step": step + 1,
+            "loss": losses[-1],
+            "lr": float(schedule(step)),
+            "grad_norm": float(host_value(metrics["grad_norm"])) if _has_grad_norm(cfg, metrics) else None,
+            "tokens_per_s": tps,
+            "mfu": mfu,
+            "mem_gb": memory_gb(jax.local_devices()[0]),
+            "skipped": bool(host_value(metrics["skipped"])) if "skipped" in metrics else False,
+            # the previous save still writing, then enqueuing the host copies (in this window's time)
+            "checkpoint_s": held["window"] if ckpt is not None and cfg.run.checkpoint_every > 0 else None,
+            "includes_compile": True if step == start else None,  # its tokens_per_s is not the run's pace
+        }
+        if evaluate:
+            row["val_loss"] = evaluator(run.model(state))
+        row = {k: v for k, v in row.items() if v is not None}  # a metric not computed is left out
+        summary.add(row, window_tokens, elapsed)
+        held["window"] = 0.0
+        log.write(row)
+        guard.record(row)
+        bar.update(step + 1, row)
+        window_start, window_tokens = time.perf_counter(), 0
 
     step = start
     summary = Summary()
@@ -267,52 +312,36 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
             if warm_saves:
                 warm_saves = False
                 ckpt.warm_up(run.canonical(state))
+            if due:  # the previous step's save and row: it is done or nearly, and this step is queued behind it
+                due.pop()()
             skips.add(step + 1, metrics)
             pending.append(metrics["loss"])  # read back only when logging: no host sync per step
             window_tokens += tokens_per_step
             last = step + 1 == end
-            if ckpt and cfg.run.checkpoint_every > 0 and (step + 1) % cfg.run.checkpoint_every == 0 and not last:
-                # before the log row's wait: the save's host work overlaps the queued steps
-                save(step + 1, read_next=(pending, metrics))
             evaluate = evaluator is not None and ((step + 1) % cfg.run.eval_every == 0 or last)
-            if (step + 1) % max(1, cfg.run.log_every) == 0 or last or step == start or evaluate:
-                losses.extend(float(host_value(x)) for x in pending)
-                pending.clear()
-                skips.check()
-                loss = losses[-1]
-                jax.block_until_ready(state)
-                elapsed = time.perf_counter() - window_start
-                tps = window_tokens / elapsed
-                mfu = tps / tokens_per_step * flops_step / (peak * len(devices)) if peak else None
-                mem = memory_gb(jax.local_devices()[0])
-                row = {
-                    "step": step + 1,
-                    "loss": loss,
-                    "lr": float(schedule(step)),
-                    "grad_norm": float(host_value(metrics["grad_norm"])) if _has_grad_norm(cfg, metrics) else None,
-                    "tokens_per_s": tps,
-                    "mfu": mfu,
-                    "mem_gb": mem,
-                    "skipped": bool(host_value(metrics["skipped"])) if "skipped" in metrics else False,
-                    # the previous save still writing, then enqueuing the host copies (in this window's time)
-                    "checkpoint_s": held["window"] if ckpt is not None and cfg.run.checkpoint_every > 0 else None,
-                    "includes_compile": True if step == start else None,  # its tokens_per_s is not the run's pace
-                }
-                if evaluate:
-                    row["val_loss"] = evaluator(run.model(state))
-                row = {k: v for k, v in row.items() if v is not None}  # a metric not computed is left out
-                summary.add(row, window_tokens, elapsed)
-                held["window"] = 0.0
-                log.write(row)
-                guard.record(row)
-                bar.update(step + 1, row)
-                window_start, window_tokens = time.perf_counter(), 0
+            logged = (step + 1) % max(1, cfg.run.log_every) == 0 or last or step == start or evaluate
+            # a save's check and a row wait for this step: done after the next step is queued, so that the device
+            # never idles while the host does them (an evaluation reads this state, which the next step donates)
+            later = not (last or evaluate or step == start)
+            saved = ckpt and cfg.run.checkpoint_every > 0 and (step + 1) % cfg.run.checkpoint_every == 0 and not last
+            # the save first: its copies are enqueued before the row's wait, and the row counts its time
+            finish_save = stage_save(step + 1, read_next=(pending, metrics)) if saved else None
+            row = functools.partial(log_row, step, pending, metrics, evaluate) if logged else None
+            if logged:
+                pending = []
+            work = [f for f in (finish_save, row) if f is not None]
+            if work:
+                due.append(lambda work=work: [f() for f in work])
+                if not later:
+                    due.pop()()
             stop.check()
         save(end, in_loop=False)
         summary.print(out_dir, ckpt, held["run"])
         if cfg.run.sample_tokens > 0 and end > start:
             hooks.print_sample(cfg, run.model(state), source)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (a scheduler's stop): see StopRequests
+        if due:  # the last finished step's save and row
+            due.pop()()
         # the state after the last finished step: a checkpoint of it (and the one in flight), then stop
         if any(x.is_deleted() for x in jax.tree.leaves(state)):  # inside a step that took (donated) it
             print("\njaxdist: interrupted inside a step; the newest checkpoint is the one to resume from")
