@@ -270,7 +270,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
         row = {
             "step": step + 1,
             "loss": losses[-1],
-            "lr": float(schedule(step)),
+            "lr": _host_lr(schedule, step),
             "grad_norm": float(host_value(metrics["grad_norm"])) if _has_grad_norm(cfg, metrics) else None,
             "tokens_per_s": tps,
             "mfu": mfu,
@@ -361,6 +361,13 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
         finally:
             stop.close()
     return losses
+
+
+def _host_lr(schedule, step: int) -> float:
+    """The learning rate of `step`, computed on the CPU: on the accelerator it would queue behind the next
+    step, which the loop has queued already, and wait for it."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        return float(schedule(step))
 
 
 def _has_grad_norm(cfg: TrainConfig, metrics: dict) -> bool:
