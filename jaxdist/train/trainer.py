@@ -366,7 +366,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
 def _host_lr(schedule, step: int) -> float:
     """The learning rate of `step`, computed on the CPU: on the accelerator it would queue behind the next
     step, which the loop has queued already, and wait for it."""
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):  # this process's own, with several
         return float(schedule(step))
 
 
