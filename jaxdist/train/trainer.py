@@ -214,7 +214,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
     bar = Progress(cfg, start, end)
     losses: list[float] = []
     pending: list = []
-    due: list = []  # at most one: the save and row of the step before the newest, done once the newest is queued
+    due: list = []  # the save and row of the step before the newest, done once the newest is queued
     meta_out = {
         "model": model_meta,
         "layout": layout,
@@ -312,8 +312,9 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
             if warm_saves:
                 warm_saves = False
                 ckpt.warm_up(run.canonical(state))
-            if due:  # the previous step's save and row: it is done or nearly, and this step is queued behind it
-                due.pop()()
+            for work in due:  # the previous step's save and row: done or nearly, and this step queued behind it
+                work()
+            due = []
             skips.add(step + 1, metrics)
             pending.append(metrics["loss"])  # read back only when logging: no host sync per step
             window_tokens += tokens_per_step
@@ -329,19 +330,19 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
             row = functools.partial(log_row, step, pending, metrics, evaluate) if logged else None
             if logged:
                 pending = []
-            work = [f for f in (finish_save, row) if f is not None]
-            if work:
-                due.append(lambda work=work: [f() for f in work])
-                if not later:
-                    due.pop()()
+            due = [work for work in (finish_save, row) if work is not None]
+            if not later:
+                for work in due:
+                    work()
+                due = []
             stop.check()
         save(end, in_loop=False)
         summary.print(out_dir, ckpt, held["run"])
         if cfg.run.sample_tokens > 0 and end > start:
             hooks.print_sample(cfg, run.model(state), source)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (a scheduler's stop): see StopRequests
-        if due:  # the last finished step's save and row
-            due.pop()()
+        for work in due:  # the last finished step's save and row
+            work()
         # the state after the last finished step: a checkpoint of it (and the one in flight), then stop
         if any(x.is_deleted() for x in jax.tree.leaves(state)):  # inside a step that took (donated) it
             print("\njaxdist: interrupted inside a step; the newest checkpoint is the one to resume from")
