@@ -224,6 +224,9 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
     }
 
     held = {"window": 0.0, "run": 0.0, "saves": 0}  # seconds the loop waited in checkpoint saves
+    # the first row, save and evaluation create long-lived objects (their programs, orbax's handlers): the
+    # heap is frozen again after each, so that full collections in the loop do not visit them
+    refreeze = {"due": False, "saved": False, "evaluated": False}
 
     def save(step: int, in_loop: bool = True, read_next=()):
         finish = stage_save(step, in_loop, read_next)
@@ -253,6 +256,8 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
             waited = staged_s + time.perf_counter() - began
             held["window"] += waited
             held["saves"] += 1
+            if not refreeze["saved"]:
+                refreeze.update(due=True, saved=True)
             # as the mean tokens/s: the loop's windows after the first; the first save also compiles
             held["run"] += waited if in_loop and held["saves"] > 1 else 0.0
 
@@ -282,6 +287,8 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
         }
         if evaluate:
             row["val_loss"] = evaluator(run.model(state))
+            if not refreeze["evaluated"]:
+                refreeze.update(due=True, evaluated=True)
         row = {k: v for k, v in row.items() if v is not None}  # a metric not computed is left out
         summary.add(row, window_tokens, elapsed)
         held["window"] = 0.0
@@ -335,6 +342,9 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
                 for work in due:
                     work()
                 due = []
+            if step == start or refreeze["due"]:
+                refreeze["due"] = False
+                heap.freeze()
             stop.check()
         save(end, in_loop=False)
         summary.print(out_dir, ckpt, held["run"])
