@@ -121,8 +121,8 @@ def report(trace_dir: str, args) -> None:
                 if e.name.startswith(MARK)
             ]
             if any(n == "step" for _, _, n in ours):
-                main_line = index
-            spans += [(a, b, n, index) for a, b, n in ours]
+                main_line = (plane.name, index)
+            spans += [(a, b, n, (plane.name, index)) for a, b, n in ours]
     gaps, busy, end = [], 0, kernels[0][0]
     for a, b in kernels:
         if a > end:
