@@ -226,7 +226,7 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
     held = {"window": 0.0, "run": 0.0, "saves": 0}  # seconds the loop waited in checkpoint saves
     # the first row, save and evaluation create long-lived objects (their programs, orbax's handlers): the
     # heap is frozen again after each, so that full collections in the loop do not visit them
-    refreeze = {"due": False, "saved": False, "evaluated": False}
+    refreeze = {"due": False, "evaluated": False}
 
     def save(step: int, in_loop: bool = True, read_next=()):
         finish = stage_save(step, in_loop, read_next)
@@ -256,8 +256,8 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
             waited = staged_s + time.perf_counter() - began
             held["window"] += waited
             held["saves"] += 1
-            if not refreeze["saved"]:
-                refreeze.update(due=True, saved=True)
+            if held["saves"] == 1:
+                refreeze["due"] = True
             # as the mean tokens/s: the loop's windows after the first; the first save also compiles
             held["run"] += waited if in_loop and held["saves"] > 1 else 0.0
 
