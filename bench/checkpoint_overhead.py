@@ -32,8 +32,9 @@ def config_name(every: int) -> str:
     return "no checkpoints" if every <= 0 else "every step" if every == 1 else f"every {every} steps"
 
 
-def run(out: Path, args, every: int) -> dict:
-    cmd = [sys.executable, "-m", "jaxdist.train.cli", "train", f"model.flavor={args.flavor}"]
+def run(out: Path, args, every: int, launcher: list[str] | None = None) -> dict:
+    """One `jaxdist train` process (`launcher`: what runs the CLI, default `python -m jaxdist.train.cli`)."""
+    cmd = [*(launcher or [sys.executable, "-m", "jaxdist.train.cli"]), "train", f"model.flavor={args.flavor}"]
     cmd += [f"model.dtype={args.dtype}", "data.source=synthetic", f"data.batch_size={args.batch}"]
     cmd += [f"run.steps={args.steps}", f"run.log_every={args.window}", f"run.checkpoint_every={every}"]
     cmd += [f"run.out_dir={out}", "run.progress=false", "run.keep_checkpoints=2", *args.extra]
