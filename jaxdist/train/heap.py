@@ -12,10 +12,12 @@ loop's own reference cycles are still freed.
 
 Objects frozen before the loop (375 in the GPU test host's processes) do not stop it: deferring to them
 left the whole heap in the full passes (on a CPU host, 30-100 ms each against 1-2 ms frozen, a dozen in
-200 steps of a 12-layer model). At the loop's end everything frozen is given back to the collector, those
-objects too (Python cannot unfreeze some objects only): freezing is an optimisation, and objects left
-frozen across runs (a notebook that trains again) would keep the garbage among them, device buffers
-included, for good.
+200 steps of a 12-layer model). At the loop's end everything frozen is given back to the collector
+(Python cannot unfreeze some objects only): objects left frozen across runs (a notebook that trains
+again) would keep the garbage among them, device buffers included, for good. A process that had frozen
+objects of its own before the loop (`gc.freeze`, e.g. before forking workers) has its heap frozen again
+once `train` has returned (`restore`): its objects stay frozen, with what else is alive then (the loop's
+own objects are gone by then, collected first).
 """
 
 from __future__ import annotations
@@ -26,15 +28,20 @@ import gc
 class FrozenHeap:
     """`freeze()` once the long-lived objects exist (after the first step), and again when more do;
     `release()` when the loop ends, so that a process that trains again (a test, a notebook) collects them
-    as usual. A caller who switched the collector off manages it: neither does anything then."""
+    as usual; `restore()` once the loop's objects are gone, which freezes the heap again where the caller
+    had frozen objects before the loop. A caller who switched the collector off manages it: none of them
+    does anything then."""
 
     def __init__(self):
         self.frozen = False
+        self.callers = False  # objects were frozen before this heap first froze (the caller's, or an outer loop's)
 
     def freeze(self) -> None:
         """Move every object alive now (what is garbage freed first) into the permanent generation."""
         if not gc.isenabled():
             return  # the caller switched the collector off: no full passes to keep anything out of
+        if not self.frozen:
+            self.callers = self.callers or gc.get_freeze_count() > 0
         gc.collect()  # what is garbage already is freed, not frozen
         gc.freeze()
         self.frozen = True
@@ -43,3 +50,11 @@ class FrozenHeap:
         if self.frozen:
             gc.unfreeze()
             self.frozen = False
+
+    def restore(self) -> None:
+        """After `release`: if objects were frozen before the loop, freeze what is alive now (after a full
+        collection), so that those objects are frozen again (with the rest alive, as `gc.freeze` does)."""
+        if self.callers and not self.frozen and gc.isenabled():
+            gc.collect()
+            gc.freeze()
+        self.callers = False

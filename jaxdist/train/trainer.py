@@ -144,11 +144,17 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     check_backend(cfg, devices)
     mesh = make_mesh(cfg, devices)
     mcfg = model_config(cfg)
-    with run_dir.prepared(cfg.run) as out_dir:  # locked until the run ends: one trainer per run directory
-        return _train(cfg, stop_after, devices, mesh, mcfg, out_dir)
+    heap = FrozenHeap()
+    try:
+        with run_dir.prepared(cfg.run) as out_dir:  # locked until the run ends: one trainer per run directory
+            return _train(cfg, stop_after, devices, mesh, mcfg, out_dir, heap)
+    finally:
+        heap.restore()  # the caller's own frozen objects frozen again, once the loop's objects are gone
 
 
-def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_dir: Path) -> list[float]:
+def _train(
+    cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_dir: Path, heap: FrozenHeap
+) -> list[float]:
     """`train` in the locked run directory `out_dir`."""
     source = hooks.source(cfg, "train", mcfg, out_dir)
     hooks.check_sample_prompt(cfg, mcfg, source)
@@ -308,7 +314,6 @@ def _train(cfg: TrainConfig, stop_after: int | None, devices, mesh, mcfg, out_di
     if cfg.parallel.cp > 1:
         batches = map(_next_token_batches(batch_sharding), batches)
     stop = StopRequests()
-    heap = FrozenHeap()
     skips = NonFiniteSteps(cfg, ckpt)
     try:
         for step in range(start, end):

@@ -1,10 +1,18 @@
 """The training loop's heap (`jaxdist.train.heap`): frozen out of the collector's full passes (again when the
-loop has made more long-lived objects), given back at the loop's end, and left alone where the caller
-switched the collector off."""
+loop has made more long-lived objects), given back at the loop's end, frozen again after it where the
+caller had frozen objects of its own, and left alone where the caller switched the collector off."""
 
 import gc
 
+from support.trainer_runs import tiny_run_config
+
+from jaxdist.train import trainer
 from jaxdist.train.heap import FrozenHeap
+
+
+def frozen(obj) -> bool:
+    """Whether the collector tracks `obj` but leaves it out of its generations: in the permanent one."""
+    return gc.is_tracked(obj) and not any(o is obj for o in gc.get_objects())
 
 
 def test_freeze_moves_the_live_objects_out_and_release_gives_them_back():
@@ -24,6 +32,7 @@ def test_freeze_moves_the_live_objects_out_and_release_gives_them_back():
 
 
 def test_objects_frozen_before_the_loop_do_not_keep_its_heap_in_the_full_passes():
+    mine = [[1], [2]]
     gc.freeze()  # e.g. a library at import (375 objects in the GPU test host's processes)
     try:
         theirs = gc.get_freeze_count()
@@ -32,8 +41,51 @@ def test_objects_frozen_before_the_loop_do_not_keep_its_heap_in_the_full_passes(
         heap.freeze()
         assert heap.frozen and gc.get_freeze_count() > theirs + len(made_since) // 2  # (the margin as above)
         heap.release()
-        # everything back in the collector's care (Python cannot unfreeze some objects only)
-        assert gc.get_freeze_count() == 0 and not heap.frozen
+        # everything back in the collector's care while the loop's objects go (Python cannot unfreeze some
+        # objects only) ...
+        assert gc.get_freeze_count() == 0 and not heap.frozen and not frozen(mine)
+        del made_since
+        heap.restore()
+        # ... then the caller's objects frozen again, with the rest alive (the garbage among them collected)
+        assert frozen(mine) and gc.get_freeze_count() > theirs // 2
+    finally:
+        gc.unfreeze()
+
+
+def test_without_objects_frozen_before_the_loop_nothing_stays_frozen():
+    heap = FrozenHeap()
+    heap.freeze()
+    heap.release()
+    heap.restore()
+    assert gc.get_freeze_count() == 0
+
+
+def test_an_inner_loop_leaves_the_outer_loops_heap_frozen():
+    outer, inner = FrozenHeap(), FrozenHeap()
+    outer.freeze()
+    try:
+        inner.freeze()  # a loop run inside another (a callback that trains): the outer's objects are frozen
+        inner.release()
+        inner.restore()
+        assert gc.get_freeze_count() > 1000  # the outer loop's heap is out of the full passes again
+    finally:
+        outer.release()
+        outer.restore()
+    assert gc.get_freeze_count() == 0
+
+
+def test_train_gives_a_callers_frozen_heap_back_frozen(tmp_path):
+    """The trainer's loop unfreezes everything at its end; a process that froze its heap before `train`
+    (e.g. before forking workers) finds it frozen again when `train` returns, without the run's objects
+    that are gone by then. The run is tests/support/trainer_runs.py's two_checkpoints (compiled once)."""
+    mine = [[i] for i in range(20000)]
+    gc.freeze()
+    try:
+        theirs = gc.get_freeze_count()
+        assert theirs >= len(mine)
+        trainer.train(tiny_run_config(tmp_path / "run", "run.steps=4", "run.checkpoint_every=2"))
+        assert frozen(mine) and all(frozen(row) for row in mine[::1000])
+        assert gc.get_freeze_count() > theirs // 2
     finally:
         gc.unfreeze()
 
