@@ -10,14 +10,16 @@ run allocated since. The loop's first row, save and evaluation create long-lived
 (their small programs, orbax's handlers), so it freezes again after each. The collector stays on, so the
 loop's own reference cycles are still freed.
 
-Objects frozen before the loop (375 in the GPU test host's processes) do not stop it: deferring to them
-left the whole heap in the full passes (on a CPU host, 30-100 ms each against 1-2 ms frozen, a dozen in
-200 steps of a 12-layer model). At the loop's end everything frozen is given back to the collector
-(Python cannot unfreeze some objects only): objects left frozen across runs (a notebook that trains
-again) would keep the garbage among them, device buffers included, for good. A process that had frozen
-objects of its own before the loop (`gc.freeze`, e.g. before forking workers) has its heap frozen again
-once `train` has returned (`restore`): its objects stay frozen, with what else is alive then (the loop's
-own objects are gone by then, collected first).
+Objects frozen before the loop do not stop it (CPython 3.12 counts ~375 of its own immortal objects as
+frozen once a full collection has run): deferring to them left the whole heap in the full passes (on a
+CPU host, 30-100 ms each against 1-2 ms frozen, a dozen in 200 steps of a 12-layer model). At the loop's
+end everything frozen is given back to the collector (Python cannot unfreeze some objects only): objects
+left frozen across runs (a notebook that trains again) would keep the garbage among them, device buffers
+included, for good. A process that had frozen objects of its own before the loop (`gc.freeze`, e.g.
+before forking workers) has its heap frozen again when `train` returns (`restore`): its objects stay
+frozen, with what else is alive then (the loop's own objects are gone by then, collected first). After an
+exception they are left in the collector's care: the traceback still holds the failed loop's objects,
+which a freeze would keep for good.
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ class FrozenHeap:
 
     def __init__(self):
         self.frozen = False
-        self.callers = False  # objects were frozen before this heap first froze (the caller's, or an outer loop's)
+        self.before = 0  # objects frozen when this heap first froze (the caller's, an outer loop's, CPython's)
 
     def freeze(self) -> None:
         """Move every object alive now (what is garbage freed first) into the permanent generation."""
         if not gc.isenabled():
             return  # the caller switched the collector off: no full passes to keep anything out of
         if not self.frozen:
-            self.callers = self.callers or gc.get_freeze_count() > 0
+            self.before = max(self.before, gc.get_freeze_count())
         gc.collect()  # what is garbage already is freed, not frozen
         gc.freeze()
         self.frozen = True
@@ -52,9 +54,11 @@ class FrozenHeap:
             self.frozen = False
 
     def restore(self) -> None:
-        """After `release`: if objects were frozen before the loop, freeze what is alive now (after a full
-        collection), so that those objects are frozen again (with the rest alive, as `gc.freeze` does)."""
-        if self.callers and not self.frozen and gc.isenabled():
+        """After `release`, once the loop's objects are gone: if more objects were frozen before the loop than a
+        full collection leaves frozen (CPython 3.12's own immortal objects count), freeze what is alive now,
+        so that the caller's objects are frozen again (with the rest alive, as `gc.freeze` does)."""
+        if self.before and not self.frozen and gc.isenabled():
             gc.collect()
-            gc.freeze()
-        self.callers = False
+            if gc.get_freeze_count() < self.before:
+                gc.freeze()
+        self.before = 0

@@ -145,11 +145,12 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     mesh = make_mesh(cfg, devices)
     mcfg = model_config(cfg)
     heap = FrozenHeap()
-    try:
-        with run_dir.prepared(cfg.run) as out_dir:  # locked until the run ends: one trainer per run directory
-            return _train(cfg, stop_after, devices, mesh, mcfg, out_dir, heap)
-    finally:
-        heap.restore()  # the caller's own frozen objects frozen again, once the loop's objects are gone
+    with run_dir.prepared(cfg.run) as out_dir:  # locked until the run ends: one trainer per run directory
+        losses = _train(cfg, stop_after, devices, mesh, mcfg, out_dir, heap)
+    # the caller's own frozen objects frozen again, now that the loop's objects are gone (not after an
+    # exception: its traceback holds them, and a freeze would keep their garbage for good)
+    heap.restore()
+    return losses
 
 
 def _train(

@@ -59,7 +59,8 @@ def test_the_loops_saves_compile_nothing_after_the_warm_up(tmp_path, monkeypatch
     monkeypatch.setattr(checkpoint.Checkpoints, "save", traced("save", checkpoint.Checkpoints.save))
     monkeypatch.setattr(checkpoint.Checkpoints, "warm_up", traced("warm_up", checkpoint.Checkpoints.warm_up))
     monkeypatch.setattr(heap.FrozenHeap, "freeze", traced("freeze", heap.FrozenHeap.freeze))
-    before = gc.get_freeze_count()
+    gc.collect()
+    before = gc.get_freeze_count()  # 0, or the ~375 immortal objects CPython 3.12 counts as frozen
     jax.monitoring.register_event_duration_secs_listener(on_lowered)
     try:  # the run of tests/support/trainer_runs.py's two_checkpoints: its programs are compiled once per test run
         trainer.train(tiny_run_config(tmp_path / "run", "run.steps=4", "run.checkpoint_every=2"))
@@ -77,8 +78,9 @@ def test_the_loops_saves_compile_nothing_after_the_warm_up(tmp_path, monkeypatch
     assert None in lowered  # the run traced its programs (the step) ...
     assert set(lowered) <= {None, "canonical 1"}  # ... and on the save side only the warm-up's conversion
     # the canonical call before the warm-up comes right after the first step, which froze the heap (objects
-    # frozen before the run, 375 on a GPU test host, do not stop it); after the first save's write started,
+    # frozen before the run, CPython 3.12's own, do not stop it); after the first save's write started,
     # the heap was frozen again, with what that save made; the loop's end released it all (a process that
     # trains again collects those objects as usual)
     assert all(n > before + 1000 for n in frozen), frozen
-    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert gc.get_freeze_count() == before
