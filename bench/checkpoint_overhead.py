@@ -54,15 +54,20 @@ def run(out: Path, args, every: int, launcher: list[str] | None = None) -> dict:
     }
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
+    """The options of the trainer runs `run` makes (model, batch, steps, window, directory, recording)."""
     p.add_argument("--flavor", default="124m")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch", type=int, default=16, help="global sequences per step")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--window", type=int, default=10, help="steps per tokens/s window (run.log_every)")
     p.add_argument("--dir", default=None, help="where the runs write (default: a temporary directory)")
     p.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(p, steps=60)
     p.add_argument("--every", default="0,10,1", help="checkpoint intervals to run, in steps (0: none, the reference)")
     p.add_argument("extra", nargs="*", help="more trainer overrides, e.g. parallel.fsdp=2")
     args = p.parse_args()
