@@ -11,7 +11,7 @@ run allocated since. The loop's first row, save and evaluation create long-lived
 loop's own reference cycles are still freed.
 
 Objects frozen before the loop do not stop it (CPython 3.12 counts ~375 of its own immortal objects as
-frozen once a full collection has run): deferring to them left the whole heap in the full passes (on a
+frozen): deferring to them left the whole heap in the full passes (on a
 CPU host, 30-100 ms each against 1-2 ms frozen, a dozen in 200 steps of a 12-layer model). At the loop's
 end everything frozen is given back to the collector (Python cannot unfreeze some objects only): objects
 left frozen across runs (a notebook that trains again) would keep the garbage among them, device buffers
