@@ -11,15 +11,15 @@ run allocated since. The loop's first row, save and evaluation create long-lived
 loop's own reference cycles are still freed.
 
 Objects frozen before the loop do not stop it (CPython 3.12 counts ~375 of its own immortal objects as
-frozen): deferring to them left the whole heap in the full passes (on a
-CPU host, 30-100 ms each against 1-2 ms frozen, a dozen in 200 steps of a 12-layer model). At the loop's
-end everything frozen is given back to the collector (Python cannot unfreeze some objects only): objects
-left frozen across runs (a notebook that trains again) would keep the garbage among them, device buffers
-included, for good. A process that had frozen objects of its own before the loop (`gc.freeze`, e.g.
-before forking workers) has its heap frozen again when `train` returns (`restore`): its objects stay
-frozen, with what else is alive then (the loop's own objects are gone by then, collected first). After an
-exception they are left in the collector's care: the traceback still holds the failed loop's objects,
-which a freeze would keep for good.
+frozen): deferring to them left the whole heap in the full passes (on a CPU host, 30-100 ms each against
+1-2 ms frozen, a dozen in 200 steps of a 12-layer model). At the loop's end everything frozen is given
+back to the collector (Python cannot unfreeze some objects only): objects left frozen across runs (a
+notebook that trains again) would keep the garbage among them, device buffers included, for good. A
+process that had frozen objects of its own before the loop (`gc.freeze`, e.g. before forking workers)
+has its heap frozen again when `train` returns (`restore`): its objects stay frozen, with what else is
+alive then (the loop's own objects are gone by then, collected first). After an exception they are left
+in the collector's care: the traceback still holds the failed loop's objects, which a freeze would keep
+for good.
 """
 
 from __future__ import annotations

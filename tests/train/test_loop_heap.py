@@ -85,9 +85,9 @@ def test_an_inner_loop_leaves_the_outer_loops_heap_frozen():
 
 
 def test_train_gives_a_callers_frozen_heap_back_frozen(tmp_path):
-    """The trainer's loop unfreezes everything at its end; a process that froze its heap before `train`
-    (e.g. before forking workers) finds it frozen again when `train` returns, without the run's objects
-    that are gone by then. The run is tests/support/trainer_runs.py's two_checkpoints (compiled once)."""
+    """The trainer's loop unfreezes everything at its end; a process that froze its heap before `train` (e.g.
+    before forking workers) finds it frozen again when `train` returns. The run is
+    tests/support/trainer_runs.py's two_checkpoints (compiled once)."""
     mine = [[i] for i in range(20000)]
     gc.freeze()
     try:
@@ -101,11 +101,12 @@ def test_train_gives_a_callers_frozen_heap_back_frozen(tmp_path):
 
 
 def test_a_caller_who_switched_the_collector_off_keeps_control():
+    before = collected_freeze_count()
     gc.disable()
     try:
         heap = FrozenHeap()
         heap.freeze()
-        assert gc.get_freeze_count() == 0 and not heap.frozen
+        assert gc.get_freeze_count() == before and not heap.frozen
     finally:
         gc.enable()
 
