@@ -49,8 +49,9 @@ def child(change: str | None, argv: list[str]) -> int:
 
         def copies_only(self, step, args):  # single process: `save` hands the staged copies to this thread
             began = time.perf_counter()
-            if args is not None and "arrays" in args:
-                wait_for_host_copy(args["arrays"].item)
+            for item in ("arrays", "state"):  # the array files, or orbax's compressed form
+                if args is not None and item in args:
+                    wait_for_host_copy(args[item].item)
             self.timings = {"copy_s": time.perf_counter() - began, "write_s": 0.0, "checksum_s": 0.0}
 
         checkpoint.Checkpoints._finish = copies_only
