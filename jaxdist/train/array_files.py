@@ -42,6 +42,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxdist.train.checksums import crc32
+from jaxdist.train.host_copy import HostSlice
 
 FORMAT = "jaxdist.arrays/1"
 CHUNK_BYTES = 16 << 20  # a piece of a file: what one thread writes and sums at a time
@@ -118,18 +119,19 @@ class _Blob:
 
 def _local_blobs(tree) -> tuple[list[_Blob], dict]:
     """This process's share of `tree`'s arrays (the shards of replica 0 it holds) and every leaf's
-    global shape and dtype. NumPy values are leaves of their own (written whole by process 0)."""
+    global shape and dtype. NumPy values, and arrays of a packed host copy (`host_copy.HostSlice`, read
+    once their transfer is done), are leaves of their own (written whole by process 0)."""
     blobs, leaves = [], {}
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
         name = leaf_name(path)
         if "@" in name or name in leaves:
             raise ValueError(f"checkpoint: leaf name {name!r} is ambiguous (an '@' in a key, or two keys alike)")
-        x = x if isinstance(x, jax.Array | np.ndarray) else np.asarray(x)
+        x = x if isinstance(x, jax.Array | np.ndarray | HostSlice) else np.asarray(x)
         dtype = np.dtype(x.dtype)
         if dtype not in _NAMES:
             raise ValueError(f"checkpoint: {name} is {dtype}, which the checkpoint format does not hold")
         leaves[name] = {"shape": list(x.shape), "dtype": _NAMES[dtype]}
-        if isinstance(x, np.ndarray):
+        if isinstance(x, np.ndarray | HostSlice):
             if jax.process_index() == 0:
                 blobs.append(_Blob(name, _HostValue(x), x.shape, dtype))
             continue

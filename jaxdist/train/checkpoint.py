@@ -13,8 +13,9 @@ run converts it to its own layout (`run.from_canonical`) inside jit: no device
 and no host ever holds a whole copy.
 
 Saves are asynchronous: `save` enqueues a copy of every array into host memory
-(pinned where the backend has it, one replica of each shard: `jaxdist.train.host_copy`)
-and returns without waiting for it; the next step may donate and overwrite the
+(pinned where the backend has it, one replica of each shard, the arrays whole on one
+device packed into one transfer per device: `jaxdist.train.host_copy`) and returns
+without waiting for it; the next step may donate and overwrite the
 state at once, the runtime ordering it behind the copies' reads. A background
 thread hands the copies to orbax's manager and waits for the writes (with several
 processes the manager's save is started in `save` instead, as its barriers are
@@ -108,9 +109,19 @@ class Staged:
 class Checkpoints:
     """The run's checkpoints in `directory/checkpoints`, the newest `keep` kept. `compress` zstd-compresses
     the arrays (orbax's default): a float32 train state shrinks by ~8% and is written ~2x slower, so
-    it is off unless asked for; a checkpoint of either kind restores."""
+    it is off unless asked for; a checkpoint of either kind restores. `pack`: whether a single process's
+    uncompressed saves copy the arrays whole on one device as one transfer per device (`host_copy`);
+    None: where the devices are not the host's CPU (there the packing is one more copy in host memory,
+    and a transfer per array costs nothing more)."""
 
-    def __init__(self, directory: str | Path, keep: int, compress: bool = False, read_only: bool = False):
+    def __init__(
+        self,
+        directory: str | Path,
+        keep: int,
+        compress: bool = False,
+        read_only: bool = False,
+        pack: bool | None = None,
+    ):
         self.directory = Path(directory).absolute() / "checkpoints"
         self.unreadable_dir = self.directory.with_name("checkpoints.unreadable")
         # read_only: a reader of a run another process may be training (sample, export) changes nothing in it
@@ -118,6 +129,7 @@ class Checkpoints:
         # arrays: what saves write (`array_files`); state: orbax's form, which compressed saves write and
         # checkpoints of earlier versions hold (both restore)
         self.compress = compress
+        self.pack = jax.default_backend() != "cpu" if pack is None else pack
         self.arrays = ArraysHandler()
         handlers = {
             "arrays": self.arrays,
@@ -157,7 +169,7 @@ class Checkpoints:
         and then checks that the state is worth saving. `save` takes what this returns."""
         self.wait()
         try:
-            return Staged(start_host_copy(canonical) if self._copies_to_host() else canonical)
+            return Staged(self._host_copy(canonical))
         except Exception as e:
             raise CheckpointError(
                 f"could not copy the state into host memory for a checkpoint: {first_line(e)}; "
@@ -184,7 +196,7 @@ class Checkpoints:
             if isinstance(canonical, Staged):
                 state = canonical.tree
             else:
-                state = start_host_copy(canonical) if self._copies_to_host() else canonical
+                state = self._host_copy(canonical)
             if self.compress:
                 item = {"state": ocp.args.PyTreeSave(state, ocdbt_target_data_file_size=DATA_FILE_BYTES)}
             else:
@@ -226,6 +238,14 @@ class Checkpoints:
         except BaseException as e:  # noqa: BLE001 (raised in the caller's thread by `wait`)
             self._finish_error = e
 
+    def _host_copy(self, canonical):
+        """`canonical` with its host copies enqueued (`start_host_copy`), where saves copy the state themselves.
+        The array files of one process take each device's arrays packed into one transfer (on an H200 a
+        transfer per array cost the loop about twice as much); orbax's compressed form takes jax.Arrays."""
+        if not self._copies_to_host():
+            return canonical
+        return start_host_copy(canonical, pack=self.pack and not self.compress and jax.process_count() == 1)
+
     def _copies_to_host(self) -> bool:
         """Whether a save copies the state into host memory itself (all but compressed saves of several
         processes, where orbax transfers the replica slices it writes)."""
@@ -237,8 +257,7 @@ class Checkpoints:
         H200, 1.16 s for a 1.4 GiB state, the later copies 0.02 s); the trainer calls this in its first
         step's window, so that cost does not fall on the loop at its first save."""
         jax.block_until_ready(canonical)
-        if self._copies_to_host():
-            wait_for_host_copy(start_host_copy(canonical))
+        wait_for_host_copy(self._host_copy(canonical))
 
     def wait(self) -> None:
         """Finish the save in flight (if any) and record its checksums."""

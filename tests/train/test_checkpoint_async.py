@@ -117,7 +117,11 @@ def test_warm_up_makes_one_host_copy_and_saves_nothing(tmp_path, monkeypatch):
 
     copied = []
     real = checkpoint.start_host_copy
-    monkeypatch.setattr(checkpoint, "start_host_copy", lambda tree: copied.append(tree) or real(tree))
+    def copy(tree, **options):
+        copied.append(tree)
+        return real(tree, **options)
+
+    monkeypatch.setattr(checkpoint, "start_host_copy", copy)
     state = {"w": jax.numpy.arange(1000, dtype=np.float32), "step": jax.numpy.asarray(3)}
     ckpt = Checkpoints(tmp_path, keep=2)
     ckpt.warm_up(state)

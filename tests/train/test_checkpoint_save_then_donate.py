@@ -103,7 +103,7 @@ def test_a_save_whose_copies_cannot_start_leaves_nothing_in_flight(tmp_path, mon
     is the one-line CheckpointError."""
     from jaxdist.train import checkpoint as checkpoint_lib
 
-    def fail(tree):
+    def fail(tree, **options):
         raise error
 
     monkeypatch.setattr(checkpoint_lib, "start_host_copy", fail)

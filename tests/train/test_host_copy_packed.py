@@ -1,0 +1,123 @@
+"""`start_host_copy(pack=True)`: the arrays that lie whole on one device travel to host memory as one
+buffer, and each comes back as a view of its own bytes; the rest are copied one by one as before. A
+checkpoint of such a copy restores every value bit for bit."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxdist.train import checkpoint
+from jaxdist.train.checkpoint import Checkpoints
+from jaxdist.train.host_copy import HostSlice, host_memory_kind, start_host_copy, wait_for_host_copy
+
+
+def _one_device_values() -> dict:
+    """Arrays of every packable kind whose sizes are not multiples of the packing's alignment."""
+    return {
+        "f32": np.array(
+            [[1.5, -0.0, np.nan, np.inf, -np.inf], [3e-38, 1e-45, 7.0, -2.5, 1e30], [0, 1, 2, 3, 4]], np.float32
+        ),
+        "bf16": np.arange(7, dtype=np.float32).astype(ml_dtypes.bfloat16) - 3,
+        "f16": np.array([[0.5, -1.0], [65504.0, 6e-8]], np.float16),
+        "step": np.array(12345, np.int32),
+        "mask": np.array([True, False, True, True, False]),
+        "bytes": np.array([0, 255, 7], np.uint8),
+        "empty": np.zeros((0, 4), np.float32),
+        "u32": np.array([2**32 - 1, 0, 17], np.uint32),
+    }
+
+
+def _bits(x) -> np.ndarray:
+    x = np.ascontiguousarray(x)
+    return x.reshape(-1).view(np.uint8) if x.size else x.reshape(-1)
+
+
+def test_a_packed_copy_holds_each_arrays_bytes_and_copies_the_others_one_by_one():
+    values = _one_device_values()
+    device = jax.devices()[0]
+    kind = host_memory_kind(device)
+    tree = {name: jax.device_put(v, device) for name, v in values.items()}
+    tree["on_host"] = jax.device_put(np.arange(3.0), jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
+    apart = ["on_host"]
+    if len(jax.devices()) >= 2:  # (a GPU runner with one GPU has one device of the default backend)
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+        tree["split"] = jax.device_put(np.arange(8.0), jax.sharding.NamedSharding(mesh, jax.P("x")))
+        apart.append("split")
+    tree["numpy"], tree["count"] = np.ones(3), 4
+
+    copy = start_host_copy(tree, pack=True)
+    wait_for_host_copy(copy)
+
+    packed = {name for name, x in copy.items() if isinstance(x, HostSlice)}
+    assert packed == set(values)  # every one-device array in device memory, and nothing else
+    assert len({id(copy[name].packed) for name in packed}) == 1  # one transfer for all of them
+    for name, value in values.items():
+        got = np.asarray(copy[name])
+        assert got.shape == value.shape and got.dtype == value.dtype, name
+        np.testing.assert_array_equal(_bits(got), _bits(value), err_msg=name)
+    for name in apart:  # copied by themselves, into host memory
+        assert isinstance(copy[name], jax.Array) and copy[name].sharding.memory_kind == kind
+        np.testing.assert_array_equal(np.asarray(copy[name]), np.asarray(tree[name]))
+    assert copy["numpy"] is tree["numpy"] and copy["count"] == 4
+
+
+def test_a_single_array_or_a_copy_without_pack_is_a_jax_array():
+    device = jax.devices()[0]
+    assert isinstance(start_host_copy({"w": jnp.ones(3)}, pack=True)["w"], jax.Array)  # nothing to pack it with
+    unpacked = start_host_copy({"w": jnp.ones(3), "b": jnp.zeros(2)})
+    assert all(
+        isinstance(x, jax.Array) and x.sharding.memory_kind == host_memory_kind(device) for x in unpacked.values()
+    )
+
+
+def test_packed_copies_are_taken_per_device():
+    """A state on several devices of one process (here: each leaf on a device of its own) packs per device."""
+    devices = jax.devices()[:2]
+    if len(devices) < 2:
+        pytest.skip(f"needs 2 devices of the default backend, found {len(devices)}")
+    tree = {f"w{i}": jax.device_put(np.full(5, i, np.float32), devices[i % 2]) for i in range(4)}
+    copy = start_host_copy(tree, pack=True)
+    by_device = {}
+    for i in range(4):
+        by_device.setdefault(i % 2, set()).add(id(copy[f"w{i}"].packed))
+    assert all(len(ids) == 1 for ids in by_device.values()) and by_device[0] != by_device[1]
+    for i in range(4):
+        np.testing.assert_array_equal(np.asarray(copy[f"w{i}"]), np.full(5, i, np.float32))
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_checkpoint_of_mixed_dtypes_restores_bit_for_bit(tmp_path, monkeypatch, compress):
+    """Saves of the array files pack the state; compressed saves copy it array by array: both restore exactly."""
+    packs = []
+    real = checkpoint.start_host_copy
+
+    def copy(tree, **options):
+        packs.append(options.get("pack"))
+        return real(tree, **options)
+
+    monkeypatch.setattr(checkpoint, "start_host_copy", copy)
+    values = _one_device_values()
+    if compress:
+        del values["empty"]  # orbax's zarr arrays refuse a zero-size array
+    device = jax.devices()[0]
+    state = {name: jax.device_put(v, device) for name, v in values.items()}
+    ckpt = Checkpoints(tmp_path, keep=1, compress=compress, pack=True)  # (on a CPU backend saves do not pack)
+    ckpt.save(1, state, {"step": 1})
+    ckpt.wait()
+    assert packs == [not compress]
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    restored = ckpt.restore(1, target)
+    ckpt.close()
+    for name, value in values.items():
+        got = np.asarray(restored[name])
+        assert got.dtype == value.dtype and got.shape == value.shape, name
+        np.testing.assert_array_equal(_bits(got), _bits(value), err_msg=name)
+
+
+def test_saves_pack_by_default_only_off_the_cpu(tmp_path):
+    """On a CPU backend the packing is one more copy in host memory: saves copy array by array there."""
+    ckpt = Checkpoints(tmp_path, keep=1)
+    assert ckpt.pack is (jax.default_backend() != "cpu")
+    ckpt.close()
