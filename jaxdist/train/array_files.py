@@ -93,6 +93,8 @@ class _HostValue:
     def get(self) -> np.ndarray:
         with self._lock:
             if self._value is None:
+                if isinstance(self.source, jax.Array):  # a copy in flight: waited for without the interpreter lock
+                    self.source.block_until_ready()
                 self._value = np.ascontiguousarray(np.asarray(self.source))
                 self.source = None
             return self._value

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdist.compat import on_mesh
+
 # pinned (page-locked) memory is what a GPU's DMA engine copies into without staging; a backend
 # without it copies into ordinary host memory
 HOST_KINDS = ("pinned_host", "unpinned_host")
@@ -38,6 +40,12 @@ PACK_ALIGN = 64
 # the dtypes a packed buffer holds (their bytes taken by a bitcast on the device); others copy one by one
 _PACKABLE = {np.dtype(t) for t in ("float32", "float16", "bfloat16", "int32", "uint32", "int16", "uint16")}
 _PACKABLE |= {np.dtype(t) for t in ("int8", "uint8", "bool", "float64", "int64", "uint64")}
+_PACKABLE |= {np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)}
+
+
+def _packable(dtype) -> bool:
+    # (a PRNG key array's dtype is no NumPy dtype)
+    return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and np.dtype(dtype) in _PACKABLE
 
 
 def host_memory_kind(device) -> str | None:
@@ -117,9 +125,14 @@ class HostSlice:
         return _nbytes(self.shape, self.dtype)
 
     def __array__(self, dtype=None, copy=None):
+        """A read-only view of the packed buffer; `copy=True` (`np.array`): a writable array of its own."""
         data = self.packed.host()[self.offset : self.offset + self.nbytes]
         value = data.view(self.dtype).reshape(self.shape)
-        return value if dtype is None else value.astype(dtype)
+        if dtype is not None and np.dtype(dtype) != self.dtype:
+            if copy is False:
+                raise ValueError(f"a HostSlice of {self.dtype} becomes {np.dtype(dtype)} only by a copy")
+            return value.astype(dtype)
+        return value.copy() if copy else value
 
 
 def _nbytes(shape, dtype) -> int:
@@ -147,15 +160,19 @@ def _start_packed(leaves: list, plans: list) -> dict[int, HostSlice]:
     device's packed buffer's transfer; their `HostSlice`s by leaf index."""
     groups: dict = {}
     for i, plan in enumerate(plans):
-        if plan is not None and plan.whole_on is not None and np.dtype(leaves[i].dtype) in _PACKABLE:
+        if plan is not None and plan.whole_on is not None and _packable(leaves[i].dtype):
             groups.setdefault(plan.whole_on, []).append(i)
     out = {}
     for (device, kind), indices in groups.items():
         if len(indices) < 2:
             continue
-        sources = [plans[i].sources[0] for i in indices]
+        # each array as its one device's buffer (no mesh of its own), packed with that device's mesh as the
+        # context mesh: a caller's `jax.set_mesh` of more devices, or with Explicit axes, would refuse them
+        sources = [plans[i].sources[0].addressable_shards[0].data for i in indices]
+        with on_mesh(jax.sharding.Mesh(np.array([device]), ("pack",))):
+            buffer = _pack(sources)
         target = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
-        packed = _Packed(jax.device_put(_pack(sources), target, may_alias=False))
+        packed = _Packed(jax.device_put(buffer, target, may_alias=False))
         offset = 0
         for i, src in zip(indices, sources, strict=True):
             out[i] = HostSlice(packed, offset, tuple(src.shape), np.dtype(src.dtype))

@@ -26,6 +26,7 @@ def _one_device_values() -> dict:
         "bytes": np.array([0, 255, 7], np.uint8),
         "empty": np.zeros((0, 4), np.float32),
         "u32": np.array([2**32 - 1, 0, 17], np.uint32),
+        "f8": np.array([0.5, -448.0, 3.0], ml_dtypes.float8_e4m3fn),
     }
 
 
@@ -85,6 +86,50 @@ def test_packed_copies_are_taken_per_device():
     assert all(len(ids) == 1 for ids in by_device.values()) and by_device[0] != by_device[1]
     for i in range(4):
         np.testing.assert_array_equal(np.asarray(copy[f"w{i}"]), np.full(5, i, np.float32))
+
+
+@pytest.mark.parametrize("axes", ["auto", "explicit"])
+def test_a_packed_copy_inside_a_callers_mesh_context(axes):
+    """Inside a user's `jax.set_mesh` of 8 devices (Auto or Explicit axes) a state replicated over them, or
+    made there without a sharding, packs on one device as outside it."""
+    if len(jax.devices()) < 8:
+        pytest.skip(f"needs 8 devices of the default backend, found {len(jax.devices())}")
+    kind = jax.sharding.AxisType.Auto if axes == "auto" else jax.sharding.AxisType.Explicit
+    mesh = jax.make_mesh((8,), ("dp",), axis_types=(kind,))
+    replicated = jax.sharding.NamedSharding(mesh, jax.P())
+    with jax.set_mesh(mesh):
+        tree = {"w": jax.device_put(np.arange(12.0, dtype=np.float32), replicated), "made_here": jnp.ones(5)}
+        tree["one_device"] = jax.device_put(np.arange(3, dtype=np.int32), jax.devices()[0])
+        copy = start_host_copy(tree, pack=True)
+        wait_for_host_copy(copy)
+    assert all(isinstance(x, HostSlice) for x in copy.values())
+    np.testing.assert_array_equal(np.asarray(copy["w"]), np.arange(12.0, dtype=np.float32))
+    np.testing.assert_array_equal(np.asarray(copy["made_here"]), np.ones(5, np.float32))
+    np.testing.assert_array_equal(np.asarray(copy["one_device"]), np.arange(3, dtype=np.int32))
+
+
+def test_a_host_slice_converts_as_an_array_does():
+    """`np.asarray`: a read-only view of the packed bytes; `np.array`: a writable copy of its own; another
+    dtype only by a copy."""
+    copy = start_host_copy({"a": jnp.arange(4.0), "b": jnp.zeros(2)}, pack=True)
+    view, own = np.asarray(copy["a"]), np.array(copy["a"])
+    assert not view.flags.writeable and not np.shares_memory(view, own)
+    own[0] = 100.0  # its own memory: the packed bytes stay as they were
+    np.testing.assert_array_equal(np.asarray(copy["a"]), np.arange(4.0, dtype=np.float32))
+    assert np.asarray(copy["a"], dtype=np.float64).dtype == np.float64
+    with pytest.raises(ValueError, match="only by a copy"):
+        np.asarray(copy["a"], dtype=np.float64, copy=False)
+
+
+def test_warm_up_copies_nothing_where_saves_make_no_host_copy(tmp_path, monkeypatch):
+    """Compressed saves of several processes let orbax transfer what it writes: the warm-up then reads nothing."""
+    read = []
+    monkeypatch.setattr(checkpoint, "wait_for_host_copy", read.append)
+    monkeypatch.setattr(Checkpoints, "_copies_to_host", lambda self: False)
+    ckpt = Checkpoints(tmp_path, keep=1, compress=True)
+    ckpt.warm_up({"w": jnp.ones(3), "b": jnp.zeros(2)})
+    ckpt.close()
+    assert read == []
 
 
 @pytest.mark.parametrize("compress", [False, True])
