@@ -173,8 +173,7 @@ class Checkpoints:
         except Exception as e:
             raise CheckpointError(
                 f"could not copy the state into host memory for a checkpoint: {first_line(e)}; "
-                "free host memory (or device memory: packing a device's arrays takes a buffer their size) "
-                "or save less often"
+                "free host memory or save less often"
             ) from None
 
     def save(self, step: int, canonical, meta: dict) -> None:

@@ -16,7 +16,8 @@ as a `HostSlice` (a NumPy view into that buffer). On an H200 a copy of a 1.39 Gi
 steps cost a compute-bound loop 2.2% of its time as 447 transfers and 1.3% as one
 (`bench/host_copy_cost.py`, `bench/RESULTS.md`); a device copy of the state, as the packing is,
 cost 0.25%. The packed buffer costs device memory the size of those arrays until its transfer is
-done. On a CPU backend packing is one more copy in host memory: `Checkpoints` packs only off the CPU.
+done; where the device has no room for it, that device's arrays are copied one by one instead. On a
+CPU backend packing is one more copy in host memory: `Checkpoints` packs only off the CPU.
 """
 
 from __future__ import annotations
@@ -169,8 +170,13 @@ def _start_packed(leaves: list, plans: list) -> dict[int, HostSlice]:
         # each array as its one device's buffer (no mesh of its own), packed with that device's mesh as the
         # context mesh: a caller's `jax.set_mesh` of more devices, or with Explicit axes, would refuse them
         sources = [plans[i].sources[0].addressable_shards[0].data for i in indices]
-        with on_mesh(jax.sharding.Mesh(np.array([device]), ("pack",))):
-            buffer = _pack(sources)
+        try:
+            with on_mesh(jax.sharding.Mesh(np.array([device]), ("pack",))):
+                buffer = _pack(sources)
+        except Exception as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            continue  # no device memory for the packed buffer: these arrays are copied one by one
         target = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
         packed = _Packed(jax.device_put(buffer, target, may_alias=False))
         offset = 0

@@ -108,6 +108,29 @@ def test_a_packed_copy_inside_a_callers_mesh_context(axes):
     np.testing.assert_array_equal(np.asarray(copy["one_device"]), np.arange(3, dtype=np.int32))
 
 
+def test_a_device_without_room_for_the_packed_buffer_copies_its_arrays_one_by_one(monkeypatch):
+    """Packing takes device memory the size of the arrays packed: where the device has none left, the save
+    goes on as before packing, array by array (a save that fitted before packing still fits)."""
+    from jaxdist.train import host_copy
+
+    def no_room(arrays):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1493794176 bytes.")
+
+    monkeypatch.setattr(host_copy, "_pack", no_room)
+    tree = {"a": jnp.arange(4.0), "b": jnp.zeros(2, jnp.int32)}
+    copy = start_host_copy(tree, pack=True)
+    assert all(isinstance(x, jax.Array) for x in copy.values())
+    wait_for_host_copy(copy)
+    np.testing.assert_array_equal(np.asarray(copy["a"]), np.arange(4.0, dtype=np.float32))
+
+    def broken(arrays):
+        raise RuntimeError("INTERNAL: something else")
+
+    monkeypatch.setattr(host_copy, "_pack", broken)  # any other failure is the caller's to report
+    with pytest.raises(RuntimeError, match="INTERNAL"):
+        start_host_copy(tree, pack=True)
+
+
 def test_a_host_slice_converts_as_an_array_does():
     """`np.asarray`: a read-only view of the packed bytes; `np.array`: a writable copy of its own; another
     dtype only by a copy."""
