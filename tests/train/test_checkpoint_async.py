@@ -117,6 +117,7 @@ def test_warm_up_makes_one_host_copy_and_saves_nothing(tmp_path, monkeypatch):
 
     copied = []
     real = checkpoint.start_host_copy
+
     def copy(tree, **options):
         copied.append(tree)
         return real(tree, **options)
