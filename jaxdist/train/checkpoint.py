@@ -14,7 +14,7 @@ and no host ever holds a whole copy.
 
 Saves are asynchronous: `save` enqueues a copy of every array into host memory
 (pinned where the backend has it, one replica of each shard, the arrays whole on one
-device packed into one transfer per device: `jaxdist.train.host_copy`) and returns
+device packed into a few transfers per device: `jaxdist.train.host_copy`) and returns
 without waiting for it; the next step may donate and overwrite the
 state at once, the runtime ordering it behind the copies' reads. A background
 thread hands the copies to orbax's manager and waits for the writes (with several
@@ -110,7 +110,7 @@ class Checkpoints:
     """The run's checkpoints in `directory/checkpoints`, the newest `keep` kept. `compress` zstd-compresses
     the arrays (orbax's default): a float32 train state shrinks by ~8% and is written ~2x slower, so
     it is off unless asked for; a checkpoint of either kind restores. `pack`: whether a single process's
-    uncompressed saves copy the arrays whole on one device as one transfer per device (`host_copy`);
+    uncompressed saves copy the arrays whole on one device packed, a few transfers per device (`host_copy`);
     None: where the devices are not the host's CPU (there the packing is one more copy in host memory,
     and a transfer per array costs nothing more)."""
 
@@ -240,8 +240,9 @@ class Checkpoints:
 
     def _host_copy(self, canonical):
         """`canonical` with its host copies enqueued (`start_host_copy`), where saves copy the state themselves.
-        The array files of one process take each device's arrays packed into one transfer (on an H200 a
-        transfer per array cost the loop about twice as much); orbax's compressed form takes jax.Arrays."""
+        The array files of one process take each device's arrays packed into runs, a transfer each (on an
+        H200 a transfer per array cost the loop about twice as much); orbax's compressed form takes
+        jax.Arrays."""
         if not self._copies_to_host():
             return canonical
         return start_host_copy(canonical, pack=self.pack and not self.compress and jax.process_count() == 1)

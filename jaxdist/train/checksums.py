@@ -86,8 +86,12 @@ def file_sums(step_dir: Path, chunk_bytes: int | None = None, known: dict | None
         if not files[str(p.relative_to(step_dir))][1]
         for offset in range(0, max(size, 1), chunk_bytes)
     ]
-    with ThreadPoolExecutor(max_workers=sum_workers(), thread_name_prefix="jaxdist-crc") as pool:
-        crcs = list(pool.map(lambda piece: piece_crc(*piece, chunk_bytes), pieces))
+    if sum(min(chunk_bytes, sizes[p] - offset) for p, offset in pieces) <= chunk_bytes:
+        # a few small files (a save's metadata beside array files summed as written): threads would cost more
+        crcs = [piece_crc(*piece, chunk_bytes) for piece in pieces]
+    else:
+        with ThreadPoolExecutor(max_workers=sum_workers(), thread_name_prefix="jaxdist-crc") as pool:
+            crcs = list(pool.map(lambda piece: piece_crc(*piece, chunk_bytes), pieces))
     for (p, _), crc in zip(pieces, crcs, strict=True):
         files[str(p.relative_to(step_dir))][1].append(crc)
     return {"chunk_bytes": chunk_bytes, "files": files}

@@ -10,14 +10,16 @@ DDP state on 8 GPUs takes one copy of host memory, not 8 (a checkpoint writes on
 `Checkpoints` uses it for every save but the compressed ones of several processes, where orbax
 transfers the replica slices it writes itself.
 
-`pack=True` copies the arrays that lie whole on one device as one buffer per device: a program
-packs their bytes side by side on the device, one transfer moves them, and each array comes back
-as a `HostSlice` (a NumPy view into that buffer). On an H200 a copy of a 1.39 GiB state every 10
-steps cost a compute-bound loop 2.2% of its time as 447 transfers and 1.3% as one
-(`bench/host_copy_cost.py`, `bench/RESULTS.md`); a device copy of the state, as the packing is,
-cost 0.25%. The packed buffer costs device memory the size of those arrays until its transfer is
-done; where the device has no room for it, that device's arrays are copied one by one instead. On a
-CPU backend packing is one more copy in host memory: `Checkpoints` packs only off the CPU.
+`pack=True` copies the arrays that lie whole on one device as a few buffers per device: a program
+packs their bytes side by side on the device, in runs of about `PACK_CHUNK_BYTES` (in the tree's
+order), one transfer moves each run, and each array comes back as a `HostSlice` (a NumPy view into
+its run's buffer, ready when that transfer is: a checkpoint's writer starts on the first runs while
+the later ones are still on their way). On an H200 a copy of a 1.39 GiB state every 10 steps cost
+a compute-bound loop 2.9% of its time as 447 transfers and 1.4% packed (`bench/host_copy_cost.py`,
+`bench/RESULTS.md`); a device copy of the state alone, as the packing is, cost 0.7%. The packed
+buffers cost device memory the size of those arrays until their transfers are done; where the
+device has no room for them, that device's arrays are copied one by one instead. On a CPU backend
+packing is one more copy in host memory: `Checkpoints` packs only off the CPU.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ from jaxdist.compat import on_mesh
 HOST_KINDS = ("pinned_host", "unpinned_host")
 # each array's bytes start at a multiple of this in a packed buffer: its NumPy view is aligned for any dtype
 PACK_ALIGN = 64
+# a device's packed arrays are cut into buffers of about this many bytes (an array is never split), each its
+# own transfer: a checkpoint's writer waits for the first buffer, not for all. On an H200, a 1.39 GiB state
+# copied every 10 steps cost a compute-bound loop 1.4% in runs of 16 MiB, 1.7% of 64 MiB, 1.5% of 256 MiB,
+# 2.0% as one buffer (bench/host_copy_cost.py)
+PACK_CHUNK_BYTES = 16 << 20
 # the dtypes a packed buffer holds (their bytes taken by a bitcast on the device); others copy one by one
 _PACKABLE = {np.dtype(t) for t in ("float32", "float16", "bfloat16", "int32", "uint32", "int16", "uint16")}
 _PACKABLE |= {np.dtype(t) for t in ("int8", "uint8", "bool", "float64", "int64", "uint64")}
@@ -61,7 +68,7 @@ def start_host_copy(tree, pack: bool = False):
     leaves are returned as they are. Arrays on a backend without host memory kinds are copied on
     their devices (costing device memory). The transfers are enqueued by one `device_put` of all
     the arrays: the loop waits for this call, and a train state has hundreds of arrays. `pack`: the
-    arrays that lie whole on one device come back as `HostSlice`s of one transfer per device (see the
+    arrays that lie whole on one device come back as `HostSlice`s of a few transfers per device (see the
     module's docstring); the rest as above."""
     leaves, treedef = jax.tree.flatten(tree)
     # how an array is copied depends on its sharding only, and a state's hundreds of arrays share a few:
@@ -94,7 +101,7 @@ def start_host_copy(tree, pack: bool = False):
 
 
 class _Packed:
-    """One device's arrays copied into host memory as one buffer (`start_host_copy(pack=True)`)."""
+    """A run of one device's arrays copied into host memory as one buffer (`start_host_copy(pack=True)`)."""
 
     def __init__(self, buffer: jax.Array):
         self.buffer, self._lock, self._host = buffer, threading.Lock(), None
@@ -145,20 +152,48 @@ def _padded(nbytes: int) -> int:
 
 
 @jax.jit
-def _pack(arrays: list[jax.Array]) -> jax.Array:
-    """The bytes of `arrays` side by side, each padded to `PACK_ALIGN`: one uint8 buffer on their device."""
-    pieces = []
-    for a in arrays:
-        raw = a.astype(jnp.uint8) if a.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(a, jnp.uint8)
-        raw = raw.reshape(-1)
-        pad = _padded(raw.size) - raw.size
-        pieces.append(jnp.pad(raw, (0, pad)) if pad else raw)
-    return jnp.concatenate(pieces)
+def _pack(runs: list[list[jax.Array]]) -> list[jax.Array]:
+    """Per run of `runs`, the bytes of its arrays side by side, each padded to `PACK_ALIGN`: one buffer of
+    32-bit words on their device per run (moved as words, not bytes: a copy kernel of one-byte
+    elements is several times slower)."""
+    out = []
+    for arrays in runs:
+        pieces = []
+        for a in arrays:
+            words = _words(a)
+            pad = _padded(4 * words.size) // 4 - words.size
+            pieces.append(jnp.pad(words, (0, pad)) if pad else words)
+        out.append(jnp.concatenate(pieces))
+    return out
+
+
+def _words(a: jax.Array) -> jax.Array:
+    """`a`'s bytes as uint32 words, in memory order (the last word's spare bytes zero)."""
+    if a.dtype.itemsize >= 4 and a.dtype != jnp.bool_:
+        return jax.lax.bitcast_convert_type(a, jnp.uint32).reshape(-1)
+    raw = a.astype(jnp.uint8) if a.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(a, jnp.uint8)
+    raw = raw.reshape(-1)
+    if raw.size % 4:
+        raw = jnp.pad(raw, (0, -raw.size % 4))
+    return jax.lax.bitcast_convert_type(raw.reshape(-1, 4), jnp.uint32)
+
+
+def _runs(indices: list[int], nbytes: list[int]) -> list[list[int]]:
+    """`indices` (in order) cut into runs of about `PACK_CHUNK_BYTES` each (`nbytes[k]`: the packed bytes of
+    `indices[k]`); an array larger than that is a run of its own."""
+    runs, size = [[]], 0
+    for i, n in zip(indices, nbytes, strict=True):
+        if runs[-1] and size + n > PACK_CHUNK_BYTES:
+            runs.append([])
+            size = 0
+        runs[-1].append(i)
+        size += n
+    return runs
 
 
 def _start_packed(leaves: list, plans: list) -> dict[int, HostSlice]:
-    """Pack the arrays of `leaves` that lie whole on one device (two or more per device) and enqueue each
-    device's packed buffer's transfer; their `HostSlice`s by leaf index."""
+    """Pack the arrays of `leaves` that lie whole on one device (two or more per device) and enqueue the
+    transfers of each device's packed buffers, in the leaves' order; their `HostSlice`s by leaf index."""
     groups: dict = {}
     for i, plan in enumerate(plans):
         if plan is not None and plan.whole_on is not None and _packable(leaves[i].dtype):
@@ -169,20 +204,22 @@ def _start_packed(leaves: list, plans: list) -> dict[int, HostSlice]:
             continue
         # each array as its one device's buffer (no mesh of its own), packed with that device's mesh as the
         # context mesh: a caller's `jax.set_mesh` of more devices, or with Explicit axes, would refuse them
-        sources = [plans[i].sources[0].addressable_shards[0].data for i in indices]
+        source = {i: plans[i].sources[0].addressable_shards[0].data for i in indices}
+        runs = _runs(indices, [_padded(_nbytes(source[i].shape, source[i].dtype)) for i in indices])
         try:
             with on_mesh(jax.sharding.Mesh(np.array([device]), ("pack",))):
-                buffer = _pack(sources)
+                buffers = _pack([[source[i] for i in run] for run in runs])
         except Exception as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
-            continue  # no device memory for the packed buffer: these arrays are copied one by one
+            continue  # no device memory for the packed buffers: these arrays are copied one by one
         target = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
-        packed = _Packed(jax.device_put(buffer, target, may_alias=False))
-        offset = 0
-        for i, src in zip(indices, sources, strict=True):
-            out[i] = HostSlice(packed, offset, tuple(src.shape), np.dtype(src.dtype))
-            offset += _padded(out[i].nbytes)
+        copies = jax.device_put(buffers, [target] * len(buffers), may_alias=False)
+        for run, copy in zip(runs, copies, strict=True):
+            packed, offset = _Packed(copy), 0
+            for i in run:
+                out[i] = HostSlice(packed, offset, tuple(source[i].shape), np.dtype(source[i].dtype))
+                offset += _padded(out[i].nbytes)
     return out
 
 

@@ -3,6 +3,7 @@ equal size (large arrays split by rows), each piece's CRC-32 summed while writte
 file, values and dtypes exact when read back onto other shardings, and a damaged or incomplete set of
 files refused by name. No training: plain arrays on the 8 CPU devices."""
 
+import json
 import os
 import threading
 import zlib
@@ -194,3 +195,16 @@ def test_a_scalar_is_stored_with_no_dimensions_and_a_split_blob_splits_again_by_
     (late,) = [b for b in array_files._split_rows(blobs[0], 6 * 16) if b.key.endswith("@6:10,0:4")]
     (part,) = [b for b in array_files._split_rows(late, 2 * 16) if b.key.endswith("@8:10,0:4")]
     np.testing.assert_array_equal(part.value(), np.arange(32.0, 40.0).reshape(2, 4))
+
+
+def test_a_files_arrays_of_one_item_size_are_laid_out_in_the_trees_order(tmp_path):
+    """The tree's order is the order their copies into host memory are started in (a packed copy's runs):
+    each file's writes begin with the first to arrive. Wider items still come first (alignment)."""
+    tree = {f"w{i:02d}": jnp.full((50 + 70 * (i % 5),), i, jnp.float32) for i in range(12)}
+    tree["a_half"] = jnp.ones(300, jnp.bfloat16)  # first in the tree, laid out after every float32
+    array_files.write_arrays(tmp_path, tree)
+    (file,) = tmp_path.glob("*.safetensors")
+    raw = file.read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    by_offset = sorted((entry["data_offsets"][0], name) for name, entry in header.items() if name != "__metadata__")
+    assert [name for _, name in by_offset] == [f"w{i:02d}" for i in range(12)] + ["a_half"]

@@ -189,3 +189,41 @@ def test_saves_pack_by_default_only_off_the_cpu(tmp_path):
     ckpt = Checkpoints(tmp_path, keep=1)
     assert ckpt.pack is (jax.default_backend() != "cpu")
     ckpt.close()
+
+
+def test_a_packed_copy_travels_in_runs_of_about_pack_chunk_bytes_in_the_trees_order(tmp_path, monkeypatch):
+    """A device's arrays are packed into buffers of about `PACK_CHUNK_BYTES` in the tree's order, an array
+    never split (one larger than that travels alone), each buffer its own transfer: a checkpoint's writer
+    starts on the first while the later ones are on their way. The runs compile once, and a checkpoint of
+    them restores bit for bit."""
+    from jaxdist.train import host_copy
+
+    monkeypatch.setattr(host_copy, "PACK_CHUNK_BYTES", 256)
+    sizes = [10, 20, 30, 100, 5, 40, 3]  # float32 values; padded to 64 bytes: 64, 128, 128, 448, 64, 192, 64
+    device = jax.devices()[0]
+    values = [np.arange(n, dtype=np.float32) + 1000 * i for i, n in enumerate(sizes)]
+    tree = [jax.device_put(v, device) for v in values]
+    copy = start_host_copy(tree, pack=True)
+    runs = []
+    for i, x in enumerate(copy):
+        if runs and x.packed is copy[runs[-1][-1]].packed:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    assert runs == [[0, 1], [2], [3], [4, 5], [6]]
+    assert len({id(x.packed) for x in copy}) == len(runs)  # a run's arrays, and only they, share a buffer
+    for got, value in zip(copy, values, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), value)
+
+    compiled = host_copy._pack._cache_size()
+    again = start_host_copy([x + 1 for x in tree], pack=True)
+    assert host_copy._pack._cache_size() == compiled
+    np.testing.assert_array_equal(np.asarray(again[3]), values[3] + 1)
+
+    ckpt = Checkpoints(tmp_path, keep=1, pack=True)
+    ckpt.save(1, tree, {"step": 1})
+    ckpt.wait()
+    restored = ckpt.restore(1, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in tree])
+    ckpt.close()
+    for got, value in zip(restored, values, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), value)
