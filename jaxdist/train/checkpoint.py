@@ -17,11 +17,9 @@ Saves are asynchronous: `save` enqueues a copy of every array into host memory
 device packed into a few transfers per device: `jaxdist.train.host_copy`) and returns
 without waiting for it; the next step may donate and overwrite the
 state at once, the runtime ordering it behind the copies' reads. A background
-thread starts writing the copies into `checkpoints.writing/` beside the checkpoints
-and hands them to orbax's manager, whose item handler moves the files into its
-temporary directory once written (with several processes the manager's save is
-started in `save` instead, as its barriers are device collectives that must keep the
-loop's order, and the files are written into orbax's directory). At most one save is in flight
+thread hands the copies to orbax's manager and waits for the writes (with several
+processes the manager's save is started in `save` instead, as its barriers are
+device collectives that must keep the loop's order). At most one save is in flight
 (`save` and `wait` finish the previous one first). Orbax writes a checkpoint to a
 temporary directory and renames it when every process's writes are complete, so
 an interrupted save (a crash, kill -9) never touches the previous checkpoints;
@@ -53,7 +51,7 @@ import orbax.checkpoint as ocp
 
 from jaxdist.train import checksums
 from jaxdist.train.array_files import read_tree
-from jaxdist.train.arrays_handler import ArraysHandler, ArraysRestore, ArraysSave, WriteAhead
+from jaxdist.train.arrays_handler import ArraysHandler, ArraysRestore, ArraysSave
 from jaxdist.train.config import ConfigError
 from jaxdist.train.host_copy import start_host_copy, wait_for_host_copy
 from jaxdist.train.orbax_logs import DropOrbaxLogs
@@ -126,7 +124,6 @@ class Checkpoints:
     ):
         self.directory = Path(directory).absolute() / "checkpoints"
         self.unreadable_dir = self.directory.with_name("checkpoints.unreadable")
-        self.writing_dir = self.directory.with_name("checkpoints.writing")  # a save's files before orbax's rename
         # read_only: a reader of a run another process may be training (sample, export) changes nothing in it
         self.read_only = read_only
         # arrays: what saves write (`array_files`); state: orbax's form, which compressed saves write and
@@ -157,7 +154,6 @@ class Checkpoints:
         self.pending: int | None = None  # the step whose save is in flight
         self._finishing: threading.Thread | None = None  # waits for orbax, then writes the checksums
         self._finish_error: BaseException | None = None
-        self._ahead: WriteAhead | None = None  # the array files of the save in flight, written ahead of orbax
         self.timings: dict[str, float] = {}  # seconds of the last finished save's parts in the background
         self._verified: set[int] = set()  # steps whose files matched their checksums (a resume reads twice)
         self._unverified: dict[int, str] = {}  # steps whose checksum file (this name) could not be read
@@ -227,13 +223,10 @@ class Checkpoints:
             began = time.perf_counter()
             if args is not None and "state" in args:
                 wait_for_host_copy(args["state"].item)  # the copies into host memory (timed apart)
-            if args is not None and "arrays" in args:  # the writes start before orbax's set-up, not after it
-                args = ocp.args.Composite(arrays=self._write_ahead(args["arrays"]), meta=args["meta"])
             copied = time.perf_counter()
             if args is not None:
                 self.manager.save(step, args=args, force=True)
             self.manager.wait_until_finished()
-            self._ahead = None
             written = time.perf_counter()
             if jax.process_index() == 0:
                 self._write_checksums(step)
@@ -244,11 +237,6 @@ class Checkpoints:
                 self.timings.update(copy_s=self.timings["copy_s"] + split.copy_s, write_s=split.write_s)
         except BaseException as e:  # noqa: BLE001 (raised in the caller's thread by `wait`)
             self._finish_error = e
-
-    def _write_ahead(self, arrays: ArraysSave) -> ArraysSave:
-        """`arrays` as files being written into `writing_dir` (what an interrupted save left there removed)."""
-        self._ahead = WriteAhead(self.writing_dir, arrays.item, arrays.chunk_bytes)
-        return ArraysSave(self._ahead, chunk_bytes=arrays.chunk_bytes)
 
     def _host_copy(self, canonical):
         """`canonical` with its host copies enqueued (`start_host_copy`), where saves copy the state themselves.
@@ -304,9 +292,6 @@ class Checkpoints:
             self.manager.close()  # drains orbax's own threads; tensorstore's writes may still land after it
         except Exception:
             pass
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead.discard()
         pattern = f"{step}{ocp.path.atomicity_types.TMP_DIR_SUFFIX}*"
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:

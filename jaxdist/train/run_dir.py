@@ -34,7 +34,7 @@ from jaxdist.train.config import ConfigError, RunConfig
 from jaxdist.train.report import warn
 
 RUN_FILES = ("metrics.jsonl", "curves.png")
-RUN_DIRS = ("checkpoints", "checkpoints.unreadable", "checkpoints.writing", "tensorboard")
+RUN_DIRS = ("checkpoints", "checkpoints.unreadable", "tensorboard")
 LOCK_FILE = "jaxdist.lock"  # never deleted: the lock is the flock on it, not its existence
 
 
