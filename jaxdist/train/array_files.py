@@ -33,7 +33,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +106,7 @@ class _Blob:
     source: _HostValue
     shape: tuple[int, ...]
     dtype: np.dtype
-    order: int  # its leaf's position in the tree: the order the copies into host memory were started in
+    order: int  # its leaf's position in the tree: the order a packed copy's runs arrive in
     rows: tuple[int, int] | None = None  # a slice of the source along its first dimension
 
     @functools.cached_property
@@ -189,8 +189,8 @@ def _split_rows(blob: _Blob, most_bytes: int) -> list[_Blob]:
 def _into_files(blobs: list[_Blob], files: int) -> list[list[_Blob]]:
     """`blobs` spread over `files` groups of about equal bytes (the largest first, each to the lightest group),
     each group in the order it is laid out: the widest items first, so every blob starts at a multiple of
-    its item size, then in the tree's order, the order their copies into host memory arrive in (a
-    packed copy's runs), so each file's writes start with the first copies and rarely wait after."""
+    its item size, then in the tree's order: the order a packed host copy's runs arrive in, so each
+    file's writes start with the first runs and rarely wait after."""
     groups: list[list[_Blob]] = [[] for _ in range(files)]
     loads = [0] * files
     for blob in sorted(blobs, key=lambda b: -b.nbytes):
@@ -236,12 +236,21 @@ def _write_file(path: Path, blobs: list[_Blob], leaves: dict, chunk: int, summin
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for offset, views in _pieces(segments(), chunk):
-            crcs.append(summing.submit(_crc_of, views))
+            crcs.append(_sum_beside(summing, views))
             _pwrite_all(fd, views, offset)
         os.fsync(fd)
     finally:
         os.close(fd)
     return _FileWrite(size, [crc.result() for crc in crcs], waited)
+
+
+def _sum_beside(summing: ThreadPoolExecutor, views: list[memoryview]) -> Future:
+    try:
+        return summing.submit(_crc_of, views)
+    except RuntimeError:  # the interpreter is exiting: its thread pools take no new work
+        done = Future()
+        done.set_result(_crc_of(views))
+        return done
 
 
 def _crc_of(views: list[memoryview]) -> int:

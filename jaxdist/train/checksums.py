@@ -25,6 +25,7 @@ from jaxdist.train.report import first_line
 CHECKSUMS = "jaxdist_checksums.v2.json"  # per-piece CRCs; a new name, so an older jaxdist does not misread it
 CHECKSUMS_V1 = "jaxdist_checksums.json"  # per-file CRCs, written by jaxdist before the per-piece form
 CHUNK_BYTES = 16 << 20  # one CRC-32 per piece, so the pieces of one large file are summed in parallel
+INLINE_BYTES = 1 << 20  # at most this much left to sum: summed on the caller's thread (which keeps its buffer)
 
 
 class Unreadable(Exception):
@@ -68,8 +69,9 @@ def piece_crc(path: Path, offset: int, chunk_bytes: int) -> int:
 
 def file_sums(step_dir: Path, chunk_bytes: int | None = None, known: dict | None = None) -> dict:
     """`{"chunk_bytes": C, "files": {name: [size, [CRC-32 of each C-byte piece]]}}` of the files in `step_dir`,
-    the pieces summed on several threads; `known`: the sums of some files already (summed as they were
-    written, in pieces of `chunk_bytes`), taken as they are where the file still has that size."""
+    the pieces summed on several threads (a few small ones on this thread); `known`: the sums of some
+    files already (summed as they were written, in pieces of `chunk_bytes`), taken as they are where the
+    file still has that size."""
     chunk_bytes = chunk_bytes or CHUNK_BYTES
     sizes = {
         p: p.stat().st_size
@@ -86,7 +88,7 @@ def file_sums(step_dir: Path, chunk_bytes: int | None = None, known: dict | None
         if not files[str(p.relative_to(step_dir))][1]
         for offset in range(0, max(size, 1), chunk_bytes)
     ]
-    if sum(min(chunk_bytes, sizes[p] - offset) for p, offset in pieces) <= chunk_bytes:
+    if sum(min(chunk_bytes, sizes[p] - offset) for p, offset in pieces) <= INLINE_BYTES:
         # a few small files (a save's metadata beside array files summed as written): threads would cost more
         crcs = [piece_crc(*piece, chunk_bytes) for piece in pieces]
     else:

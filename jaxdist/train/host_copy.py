@@ -66,8 +66,8 @@ def start_host_copy(tree, pack: bool = False):
     """`tree` with every jax.Array replaced by a copy in host memory whose transfer has been enqueued
     (not waited for), a buffer of its own also where the array is in host memory already; other
     leaves are returned as they are. Arrays on a backend without host memory kinds are copied on
-    their devices (costing device memory). The transfers are enqueued by one `device_put` of all
-    the arrays: the loop waits for this call, and a train state has hundreds of arrays. `pack`: the
+    their devices (costing device memory). The transfers of the arrays not packed are enqueued by
+    one `device_put`: the loop waits for this call, and a train state has hundreds of arrays. `pack`: the
     arrays that lie whole on one device come back as `HostSlice`s of a few transfers per device (see the
     module's docstring); the rest as above."""
     leaves, treedef = jax.tree.flatten(tree)

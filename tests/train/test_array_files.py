@@ -208,3 +208,13 @@ def test_a_files_arrays_of_one_item_size_are_laid_out_in_the_trees_order(tmp_pat
     header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     by_offset = sorted((entry["data_offsets"][0], name) for name, entry in header.items() if name != "__metadata__")
     assert [name for _, name in by_offset] == [f"w{i:02d}" for i in range(12)] + ["a_half"]
+
+
+def test_a_piece_is_summed_on_the_writers_thread_once_the_pools_take_no_work():
+    """At the interpreter's exit thread pools refuse new work: a file's pieces are then summed where it is written."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1)
+    pool.shutdown()
+    views = [memoryview(b"the first part, "), memoryview(b"then the rest")]
+    assert array_files._sum_beside(pool, views).result() == zlib.crc32(b"the first part, then the rest")

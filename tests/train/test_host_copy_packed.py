@@ -1,5 +1,5 @@
-"""`start_host_copy(pack=True)`: the arrays that lie whole on one device travel to host memory as one
-buffer, and each comes back as a view of its own bytes; the rest are copied one by one as before. A
+"""`start_host_copy(pack=True)`: the arrays that lie whole on one device travel to host memory packed
+in a few buffers, and each comes back as a view of its own bytes; the rest are copied one by one as before. A
 checkpoint of such a copy restores every value bit for bit."""
 
 import jax
