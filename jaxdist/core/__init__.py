@@ -1,5 +1,5 @@
 """What every strategy shares: the train state and step, the run contract, the canonical form,
-model state and per-leaf optimizer state.
+model state and per-leaf optimizer state (and `runs`, cutting a sequence into runs of bounded size).
 
 Above `jaxdist.comm` and `jaxdist.compat` (the shims over JAX internals), below every strategy;
 nothing here knows which strategy runs. Names load on first use.

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdist.core.runs import consecutive_runs
 from jaxdist.models import families, hf_config
 from jaxdist.models.hf_config import HFConfigError
 from jaxdist.models.hf_layout import IGNORED_SUFFIXES, Tensor, tensors, tied
@@ -240,20 +241,6 @@ def _host_value(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def _shard_plan(layout: list[Tensor], itemsize: int, shard_bytes: int) -> list[list[Tensor]]:
-    """Tensors in order, packed into files of at most `shard_bytes` (a larger tensor alone in its own)."""
-    files: list[list[Tensor]] = [[]]
-    size = 0
-    for t in layout:
-        n = int(np.prod(t.shape)) * itemsize
-        if files[-1] and size + n > shard_bytes:
-            files.append([])
-            size = 0
-        files[-1].append(t)
-        size += n
-    return files
-
-
 def _header(group: list[Tensor], dtype: np.dtype) -> bytes:
     """A safetensors header for `group` stored contiguously in order, padded to 8 bytes as the format asks."""
     entries, offset = {}, 0
@@ -314,7 +301,8 @@ def save(
     if dtype.name not in SAFETENSORS_NAMES:
         raise HFCheckpointError(f"cannot store tensors as {dtype.name}; choose float32, bfloat16 or float16")
     config = carry_keys(hf_config.write(family, cfg, hf_config.torch_dtype_name(dtype)), source_config)
-    files = _shard_plan(layout, dtype.itemsize, shard_bytes)
+    # tensors in order, files of at most shard_bytes (a larger tensor alone in its own)
+    files = consecutive_runs(layout, [int(np.prod(t.shape)) * dtype.itemsize for t in layout], shard_bytes)
     names = (
         [SINGLE_FILE]
         if len(files) == 1

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdist.compat import on_mesh
+from jaxdist.core.runs import consecutive_runs
 
 # pinned (page-locked) memory is what a GPU's DMA engine copies into without staging; a backend
 # without it copies into ordinary host memory
@@ -178,19 +179,6 @@ def _words(a: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(raw.reshape(-1, 4), jnp.uint32)
 
 
-def _runs(indices: list[int], nbytes: list[int]) -> list[list[int]]:
-    """`indices` (in order) cut into runs of about `PACK_CHUNK_BYTES` each (`nbytes[k]`: the packed bytes of
-    `indices[k]`); an array larger than that is a run of its own."""
-    runs, size = [[]], 0
-    for i, n in zip(indices, nbytes, strict=True):
-        if runs[-1] and size + n > PACK_CHUNK_BYTES:
-            runs.append([])
-            size = 0
-        runs[-1].append(i)
-        size += n
-    return runs
-
-
 def _start_packed(leaves: list, plans: list) -> dict[int, HostSlice]:
     """Pack the arrays of `leaves` that lie whole on one device (two or more per device) and enqueue the
     transfers of each device's packed buffers, in the leaves' order; their `HostSlice`s by leaf index."""
@@ -205,7 +193,8 @@ def _start_packed(leaves: list, plans: list) -> dict[int, HostSlice]:
         # each array as its one device's buffer (no mesh of its own), packed with that device's mesh as the
         # context mesh: a caller's `jax.set_mesh` of more devices, or with Explicit axes, would refuse them
         source = {i: plans[i].sources[0].addressable_shards[0].data for i in indices}
-        runs = _runs(indices, [_padded(_nbytes(source[i].shape, source[i].dtype)) for i in indices])
+        sizes = [_padded(_nbytes(source[i].shape, source[i].dtype)) for i in indices]
+        runs = consecutive_runs(indices, sizes, PACK_CHUNK_BYTES)
         try:
             with on_mesh(jax.sharding.Mesh(np.array([device]), ("pack",))):
                 buffers = _pack([[source[i] for i in run] for run in runs])
