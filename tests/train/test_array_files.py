@@ -198,8 +198,8 @@ def test_a_scalar_is_stored_with_no_dimensions_and_a_split_blob_splits_again_by_
 
 
 def test_a_files_arrays_of_one_item_size_are_laid_out_in_the_trees_order(tmp_path):
-    """The tree's order is the order their copies into host memory are started in (a packed copy's runs):
-    each file's writes begin with the first to arrive. Wider items still come first (alignment)."""
+    """A packed host copy's runs arrive in the tree's order: each file's writes begin with the first to
+    arrive. Wider items still come first (alignment)."""
     tree = {f"w{i:02d}": jnp.full((50 + 70 * (i % 5),), i, jnp.float32) for i in range(12)}
     tree["a_half"] = jnp.ones(300, jnp.bfloat16)  # first in the tree, laid out after every float32
     array_files.write_arrays(tmp_path, tree)

@@ -1,6 +1,6 @@
 """`start_host_copy(pack=True)`: the arrays that lie whole on one device travel to host memory packed
-in a few buffers, and each comes back as a view of its own bytes; the rest are copied one by one as before. A
-checkpoint of such a copy restores every value bit for bit."""
+in a few buffers, and each comes back as a view of its own bytes; the rest are copied one by one as
+before. A checkpoint of such a copy restores every value bit for bit."""
 
 import jax
 import jax.numpy as jnp
