@@ -12,7 +12,7 @@ import os
 # compiling is most of the suite's time, and the suite ran 18% faster than at the default level 3
 # (tests/README.md), its results the same within the tests' tolerances. On a GPU, XLA's deterministic ops:
 # tests that compare a resumed run with an uninterrupted one bit for bit need the same numbers from the
-# same program, and GPU reductions by atomics (an embedding's scatter-add gradient) differ in the last
+# same program, and a GPU's sums by atomic adds (whose order varies from run to run) differ in the last
 # bits between processes (train/test_checkpoint_kill.py: 1.4e-6 apart on an H200 without it, equal with it).
 _FLAGS = ["--xla_force_host_platform_device_count=8"]
 if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
