@@ -88,12 +88,14 @@ def reference_with_state(batches, optimizer):
     return (losses, pure, norms), stats
 
 
+# DDP and FSDP alone are slow: the fast run trains ZeRO-1 (DDP's class and per-device step) and HSDP (FSDP's
+# units over an fsdp axis, beside a dp axis)
 @pytest.mark.parametrize(
     "strategy",
     [
-        lambda: DDP(cpu_mesh((8,), ("dp",))),
+        pytest.param(lambda: DDP(cpu_mesh((8,), ("dp",))), marks=pytest.mark.slow),
         lambda: DDP(cpu_mesh((8,), ("dp",)), zero1=True),
-        lambda: Parallel(cpu_mesh((8,), ("fsdp",))),
+        pytest.param(lambda: Parallel(cpu_mesh((8,), ("fsdp",))), marks=pytest.mark.slow),
         lambda: Parallel(cpu_mesh((4, 2), ("dp", "fsdp")), remat=False),
     ],
     ids=["ddp", "zero1", "fsdp", "hsdp-keep"],

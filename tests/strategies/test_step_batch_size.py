@@ -46,7 +46,8 @@ def one_device():
     return train_single_device(make, odd_loss, [SMALL, LARGE, SMALL], optax.sgd(0.2, momentum=0.9))
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
+# plain DDP is slow: ZeRO-1 runs DDP's per-device step in the fast run (ddp-zero1, ddp-accumulation)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n == "ddp" else ()) for n in STRATEGIES])
 def test_a_step_batch_of_another_size_trains_as_one_device(one_device, name):
     """Prepared on 16 rows, stepped on 16, then 32: SGD with momentum as on one device."""
     opt = optax.sgd(0.2, momentum=0.9)

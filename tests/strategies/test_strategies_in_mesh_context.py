@@ -138,8 +138,9 @@ def inside_own_mesh():
 
 
 # DDP inside its own Explicit mesh is slow: the fast run trains DDP inside its own Auto mesh (ddp-auto-same), and
-# ZeRO-1, the same class, inside its own Explicit mesh (zero1-explicit-same)
-SLOW = {("ddp", "explicit", "same")}
+# ZeRO-1, the same class, inside its own Explicit mesh (zero1-explicit-same); so is the engine's plain DP: the
+# fast run trains the same class (`Parallel`) inside its own Explicit mesh as tp-explicit-same
+SLOW = {("ddp", "explicit", "same"), ("engine-dp", "explicit", "same")}
 
 
 @pytest.mark.parametrize(

@@ -111,6 +111,9 @@ def test_a_caller_who_switched_the_collector_off_keeps_control():
         gc.enable()
 
 
+# a trainer run: slow; the fast run gives a caller's frozen heap back through a whole train() above, and
+# checks release and restore on their own
+@pytest.mark.slow
 def test_a_train_that_raises_freezes_nothing_of_its_own(tmp_path, monkeypatch):
     """After an exception the traceback still holds the failed loop's objects: `train` freezes nothing then
     (a freeze would keep their garbage for good), so the caller's objects are left unfrozen too."""

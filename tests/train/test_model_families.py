@@ -40,7 +40,9 @@ def cfg(out_dir, *overrides):
     ("family", "layout", "model_class"),
     [
         ("llama", ["parallel.tp=2"], "Llama"),
-        ("gemma", ["parallel.fsdp=2"], "Gemma"),
+        # Gemma through the trainer is slow: the fast run trains Gemma under strategies in
+        # tests/models/test_decoder_strategies.py, and a family through the whole loop as llama-dp4xtp2
+        pytest.param("gemma", ["parallel.fsdp=2"], "Gemma", marks=pytest.mark.slow),
         # a local and a global layer, one per stage: each stage runs its own layer's kind
         pytest.param("gemma", ["parallel.pp=2", "parallel.microbatches=2"], "Gemma", marks=pytest.mark.slow),
     ],

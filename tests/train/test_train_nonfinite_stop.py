@@ -80,6 +80,8 @@ def test_update_in_backward_stops_at_the_first_nan_loss_before_saving_it(tmp_pat
         ckpt.close()
 
 
+# slow: the fast run stops on NaN steps in a row with saves and log rows (above) and in the update-in-backward step
+@pytest.mark.slow
 def test_without_saves_or_rows_the_stop_comes_within_the_limit_and_zero_disables_it(tmp_path, poisoned_from, capsys):
     poisoned_from(4)
     quiet = [*BASE, "run.checkpoint_every=-1"]  # nothing reads the losses back but the count itself

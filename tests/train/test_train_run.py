@@ -80,7 +80,12 @@ def _delete_item(step_dir):
     shutil.rmtree(step_dir / "meta")
 
 
-@pytest.mark.parametrize("corrupt", [truncate_checkpoint, _flip, _delete_item], ids=["truncated", "flipped", "deleted"])
+# a deleted item is slow: the fast run falls back from a truncated and from a checksum-failing (flipped) newest
+@pytest.mark.parametrize(
+    "corrupt",
+    [truncate_checkpoint, _flip, pytest.param(_delete_item, marks=pytest.mark.slow)],
+    ids=["truncated", "flipped", "deleted"],
+)
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(two_checkpoints, tmp_path, capsys, corrupt):
     base, losses = two_checkpoints
     out = tmp_path / "run"
