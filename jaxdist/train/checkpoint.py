@@ -17,9 +17,9 @@ Saves are asynchronous: `save` enqueues a copy of every array into host memory
 device packed into a few transfers per device: `jaxdist.train.host_copy`) and returns
 without waiting for it; the next step may donate and overwrite the
 state at once, the runtime ordering it behind the copies' reads. A background
-thread hands the copies to orbax's manager and waits for the writes (with several
-processes the manager's save is started in `save` instead, as its barriers are
-device collectives that must keep the loop's order). At most one save is in flight
+thread hands the copies to orbax's manager, which saves synchronously on it (with
+several processes the manager's save is started in `save` instead, asynchronously, as
+its barriers are device collectives that must keep the loop's order). At most one save is in flight
 (`save` and `wait` finish the previous one first). Orbax writes a checkpoint to a
 temporary directory and renames it when every process's writes are complete, so
 an interrupted save (a crash, kill -9) never touches the previous checkpoints;
@@ -143,7 +143,10 @@ class Checkpoints:
                 max_to_keep=max(1, keep),
                 create=not read_only,
                 read_only=read_only,
-                enable_async_checkpointing=True,
+                # one process saves from a thread of its own (`_finish`), where orbax's own async machinery
+                # (a thread per commit and per finalize, an event loop per call) only adds hand-offs: orbax
+                # saves synchronously on that thread; several processes start orbax's save in the loop
+                enable_async_checkpointing=jax.process_count() > 1,
                 # the older checkpoints are deleted on a thread of their own once a save is in place: freeing a
                 # 1.4 GiB one from a tmpfs took 0.2 s, which otherwise a save waits for (and the next, behind it)
                 enable_background_delete=not read_only,
