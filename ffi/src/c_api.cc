@@ -201,4 +201,21 @@ int jaxdist_test_issue(int64_t key, int device, int kind, int64_t count, int sen
   return Report(Issue(*nccl, *comm, op, nullptr), err, errlen);
 }
 
+// The same for a group of `n` collectives of one kind, `count` elements each (a start_group's protocol).
+int jaxdist_test_issue_group(int64_t key, int device, int kind, int64_t count, int n, char* err, int errlen) {
+  const NcclApi* nccl = Require(err, errlen);
+  if (nccl == nullptr) return 1;
+  Comm* comm = FindComm(key, device);
+  if (comm == nullptr) return Report("no communicator for this key and device", err, errlen);
+  static char scratch[64];
+  std::vector<OpDesc> ops(n > 0 ? n : 0);
+  for (OpDesc& op : ops) {
+    op.kind = static_cast<OpKind>(kind);
+    op.send = scratch;
+    op.recv = scratch;
+    op.count = static_cast<size_t>(count);
+  }
+  return Report(IssueGroup(*nccl, *comm, ops.data(), ops.size(), nullptr), err, errlen);
+}
+
 }  // extern "C"

@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 namespace jaxdist {
 namespace {
@@ -145,8 +146,8 @@ std::string EnsureReady(const NcclApi& nccl, Comm& comm, const char* op) {
   return err;
 }
 
-static std::string IssueUnrecorded(const NcclApi& nccl, Comm& comm, const OpDesc& op, cudaStream_t stream,
-                                   bool grouped);
+static std::string IssueUngrouped(const NcclApi& nccl, Comm& comm, const OpDesc& op, cudaStream_t stream);
+static std::string IssueInOneGroup(const NcclApi& nccl, Comm& comm, const OpDesc* ops, size_t n, cudaStream_t stream);
 
 namespace {
 // Restricts the calling thread to the CPU it runs on for its lifetime, then
@@ -184,64 +185,90 @@ ncclResult_t GroupEnd(const NcclApi& nccl, const Comm& comm) {
 }  // namespace
 
 std::string Issue(const NcclApi& nccl, Comm& comm, const OpDesc& op, cudaStream_t stream, bool grouped) {
-  const char* name = OpName(op.kind);
+  if (!grouped) {
+    const char* name = OpName(op.kind);
+    std::string err = EnsureReady(nccl, comm, name);
+    if (!err.empty()) return err;
+    if (op.kind == OpKind::kSendRecv || !comm.blocking) {
+      // The ungrouped path exists only to measure what the group costs; the corruption this protocol
+      // prevents is exactly an ungrouped point-to-point op on a non-blocking communicator, so it refuses both.
+      return "jaxdist nccl: the ungrouped benchmark path takes collectives on blocking communicators only";
+    }
+    const bool record = RecorderEnabled();
+    const uint64_t seq =
+        record ? comm.recorder.Begin(op.kind, op.dtype, op.count, op.send_peer, op.recv_peer, stream) : 0;
+    err = IssueUngrouped(nccl, comm, op, stream);
+    if (record && err.empty()) comm.recorder.End(seq, stream);
+    return err;
+  }
+  return IssueGroup(nccl, comm, &op, 1, stream);
+}
+
+std::string IssueGroup(const NcclApi& nccl, Comm& comm, const OpDesc* ops, size_t n, cudaStream_t stream) {
+  if (n == 0) return "jaxdist nccl: a group of no ops";
+  const char* name = OpName(ops[0].kind);
   std::string err = EnsureReady(nccl, comm, name);
   if (!err.empty()) return err;
-  if (!grouped && (op.kind == OpKind::kSendRecv || !comm.blocking)) {
-    // The ungrouped path exists only to measure what the group costs; the corruption this protocol
-    // prevents is exactly an ungrouped point-to-point op on a non-blocking communicator, so it refuses both.
-    return "jaxdist nccl: the ungrouped benchmark path takes collectives on blocking communicators only";
-  }
-  // The flight record: "started" is recorded on the stream before the op, "finished" after it.
+  // The flight record: each op's "started" is recorded on the stream before the group, its
+  // "finished" after it (NCCL runs a group's ops as one launch).
   const bool record = RecorderEnabled();
-  const uint64_t seq =
-      record ? comm.recorder.Begin(op.kind, op.dtype, op.count, op.send_peer, op.recv_peer, stream) : 0;
-  err = IssueUnrecorded(nccl, comm, op, stream, grouped);
-  if (record && err.empty()) comm.recorder.End(seq, stream);
+  std::vector<uint64_t> seqs;
+  if (record) {
+    seqs.reserve(n);
+    for (size_t i = 0; i < n; ++i)
+      seqs.push_back(
+          comm.recorder.Begin(ops[i].kind, ops[i].dtype, ops[i].count, ops[i].send_peer, ops[i].recv_peer, stream));
+  }
+  err = IssueInOneGroup(nccl, comm, ops, n, stream);
+  if (record && err.empty())
+    for (uint64_t seq : seqs) comm.recorder.End(seq, stream);
   return err;
 }
 
-static std::string IssueUnrecorded(const NcclApi& nccl, Comm& comm, const OpDesc& op, cudaStream_t stream,
-                                   bool grouped) {
-  const char* name = OpName(op.kind);
-  if (!grouped) {
-    ncclResult_t call = ncclSuccess;
-    switch (op.kind) {
-      case OpKind::kAllReduce:
-        call = nccl.AllReduce(op.send, op.recv, op.count, op.dtype, op.redop, comm.comm, stream);
-        break;
-      case OpKind::kAllGather:
-        call = nccl.AllGather(op.send, op.recv, op.count, op.dtype, comm.comm, stream);
-        break;
-      case OpKind::kReduceScatter:
-        call = nccl.ReduceScatter(op.send, op.recv, op.count, op.dtype, op.redop, comm.comm, stream);
-        break;
-      case OpKind::kSendRecv:
-        break;
-    }
-    return Poll(nccl, comm, name, call);
+static std::string IssueUngrouped(const NcclApi& nccl, Comm& comm, const OpDesc& op, cudaStream_t stream) {
+  ncclResult_t call = ncclSuccess;
+  switch (op.kind) {
+    case OpKind::kAllReduce:
+      call = nccl.AllReduce(op.send, op.recv, op.count, op.dtype, op.redop, comm.comm, stream);
+      break;
+    case OpKind::kAllGather:
+      call = nccl.AllGather(op.send, op.recv, op.count, op.dtype, comm.comm, stream);
+      break;
+    case OpKind::kReduceScatter:
+      call = nccl.ReduceScatter(op.send, op.recv, op.count, op.dtype, op.redop, comm.comm, stream);
+      break;
+    case OpKind::kSendRecv:
+      break;
   }
+  return Poll(nccl, comm, OpName(op.kind), call);
+}
+
+static std::string IssueInOneGroup(const NcclApi& nccl, Comm& comm, const OpDesc* ops, size_t n, cudaStream_t stream) {
+  const char* name = OpName(ops[0].kind);
   ncclResult_t r = nccl.GroupStart();
   if (r != ncclSuccess) return AbortWith(nccl, comm, Describe(nccl, comm, name, r));
   ncclResult_t call = ncclSuccess;
   auto track = [&call](ncclResult_t x) {
     if (call == ncclSuccess || call == ncclInProgress) call = x;
   };
-  switch (op.kind) {
-    case OpKind::kAllReduce:
-      track(nccl.AllReduce(op.send, op.recv, op.count, op.dtype, op.redop, comm.comm, stream));
-      break;
-    case OpKind::kAllGather:
-      track(nccl.AllGather(op.send, op.recv, op.count, op.dtype, comm.comm, stream));
-      break;
-    case OpKind::kReduceScatter:
-      track(nccl.ReduceScatter(op.send, op.recv, op.count, op.dtype, op.redop, comm.comm, stream));
-      break;
-    case OpKind::kSendRecv:
-      // Even a lone send or recv goes inside the group (docs/design.md, the third failure).
-      if (op.send_peer >= 0) track(nccl.Send(op.send, op.count, op.dtype, op.send_peer, comm.comm, stream));
-      if (op.recv_peer >= 0) track(nccl.Recv(op.recv, op.count, op.dtype, op.recv_peer, comm.comm, stream));
-      break;
+  for (size_t i = 0; i < n; ++i) {
+    const OpDesc& op = ops[i];
+    switch (op.kind) {
+      case OpKind::kAllReduce:
+        track(nccl.AllReduce(op.send, op.recv, op.count, op.dtype, op.redop, comm.comm, stream));
+        break;
+      case OpKind::kAllGather:
+        track(nccl.AllGather(op.send, op.recv, op.count, op.dtype, comm.comm, stream));
+        break;
+      case OpKind::kReduceScatter:
+        track(nccl.ReduceScatter(op.send, op.recv, op.count, op.dtype, op.redop, comm.comm, stream));
+        break;
+      case OpKind::kSendRecv:
+        // Even a lone send or recv goes inside the group (docs/design.md, the third failure).
+        if (op.send_peer >= 0) track(nccl.Send(op.send, op.count, op.dtype, op.send_peer, comm.comm, stream));
+        if (op.recv_peer >= 0) track(nccl.Recv(op.recv, op.count, op.dtype, op.recv_peer, comm.comm, stream));
+        break;
+    }
   }
   // The group is always closed, also after a failed call, so NCCL's group state stays balanced.
   r = GroupEnd(nccl, comm);

@@ -93,6 +93,10 @@ struct OpDesc {
 // blocking communicators only (it refuses the rest).
 std::string Issue(const NcclApi& nccl, Comm& comm, const OpDesc& op, cudaStream_t stream, bool grouped = true);
 
+// Issues `n` ops on `stream` inside one group (one NCCL launch for all of them), then polls:
+// a bucket's per-parameter collectives, with no copies into one flat buffer.
+std::string IssueGroup(const NcclApi& nccl, Comm& comm, const OpDesc* ops, size_t n, cudaStream_t stream);
+
 // Registry of communicators: one per (key, local device). A key names one
 // mesh axis of one mesh; each device holds the communicator of its group.
 Comm* FindComm(int64_t key, int device);

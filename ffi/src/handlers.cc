@@ -7,6 +7,10 @@
 //                           aliases the input, so XLA keeps the input alive.
 // jaxdist_nccl_wait         makes the compute stream wait on the done event;
 //                           its result aliases the start's output buffer.
+// jaxdist_nccl_start_group  jaxdist_nccl_start for several collectives of one kind
+// jaxdist_nccl_wait_group   at once: one NCCL group (one launch) over every
+//                           operand in place, one done event (a DDP bucket's
+//                           parameters without copies into one flat buffer).
 // jaxdist_memcpy            a device-to-device copy: the cost floor of any
 //                           FFI op, for the micro-benchmark.
 // jaxdist_bench_ungrouped   benchmark only: a collective without the group
@@ -15,9 +19,11 @@
 // None is marked command-buffer compatible: each call must run its host code.
 #include <unistd.h>
 
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "comms.h"
 #include "dynload.h"
@@ -184,30 +190,39 @@ ffi::Error UngroupedImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, 
   return Collective(stream, device, x, y, key, kind, redop, src, dst, false);
 }
 
+// The part of a start shared by one op and a group: order the side stream after the compute
+// stream, issue (with the delay hook), then record the done event once the enqueue is complete.
+std::string StartOnSideStream(const Env& env, int32_t device, int64_t op_id, CUstream compute,
+                              const std::function<std::string(CUstream)>& issue) {
+  DeviceStreams* s = nullptr;
+  CUevent done = nullptr;
+  std::string err = GetStreams(*env.cuda, device, op_id, &s, &done);
+  if (!err.empty()) return err;
+  CUresult r = env.cuda->EventRecord(s->ready, compute);
+  if (r == CUDA_SUCCESS) r = env.cuda->StreamWaitEvent(s->comm, s->ready, 0);
+  if (r != CUDA_SUCCESS) return CudaError(*env.cuda, r, "ordering the communication stream");
+  err = issue(s->comm);
+  if (!err.empty()) return err;
+  // Recorded only after Issue polled the op to completion of its enqueue.
+  r = env.cuda->EventRecord(done, s->comm);
+  return r == CUDA_SUCCESS ? "" : CudaError(*env.cuda, r, "cuEventRecord");
+}
+
 ffi::Error StartImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> x_alias,
                      ffi::Result<ffi::AnyBuffer> y, int64_t key, int64_t kind, int64_t redop,
                      ffi::Span<const int64_t> src, ffi::Span<const int64_t> dst, int64_t op_id) {
   Env env;
   OpDesc op{};
-  DeviceStreams* s = nullptr;
-  CUevent done = nullptr;
   std::string err = Lookup(device, key, &env);
   if (err.empty()) err = Describe(&op, kind, *env.comm, x, y->untyped_data(), y->element_count(), redop, src, dst);
-  if (err.empty()) err = GetStreams(*env.cuda, device, op_id, &s, &done);
-  if (!err.empty()) return Fail(err);
-  CUstream compute = reinterpret_cast<CUstream>(stream);
-  CUresult r = env.cuda->EventRecord(s->ready, compute);
-  if (r == CUDA_SUCCESS) r = env.cuda->StreamWaitEvent(s->comm, s->ready, 0);
-  if (r != CUDA_SUCCESS) return Fail(CudaError(*env.cuda, r, "ordering the communication stream"));
-  err = Enqueue(env, op, y->size_bytes(), s->comm);
-  if (!err.empty()) return Fail(err);
-  // Recorded only after Issue polled the op to completion of its enqueue.
-  r = env.cuda->EventRecord(done, s->comm);
-  return r == CUDA_SUCCESS ? ffi::Error::Success() : Fail(CudaError(*env.cuda, r, "cuEventRecord"));
+  if (err.empty())
+    err = StartOnSideStream(env, device, op_id, reinterpret_cast<CUstream>(stream),
+                            [&](CUstream side) { return Enqueue(env, op, y->size_bytes(), side); });
+  return err.empty() ? ffi::Error::Success() : Fail(err);
 }
 
-ffi::Error WaitImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x_alias, ffi::AnyBuffer y,
-                    ffi::Result<ffi::AnyBuffer> y_out, int64_t op_id) {
+// Makes the compute stream wait on the done event of the start of `op_id`.
+ffi::Error WaitFor(cudaStream_t stream, int32_t device, int64_t op_id) {
   std::string why;
   const CudaApi* cuda = Cuda(&why);
   if (cuda == nullptr) return Fail("jaxdist nccl: " + why);
@@ -223,6 +238,46 @@ ffi::Error WaitImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x_alias,
   if (done == nullptr) return Fail("jaxdist nccl: wait without a matching start on device " + std::to_string(device));
   CUresult r = cuda->StreamWaitEvent(reinterpret_cast<CUstream>(stream), done, 0);
   return r == CUDA_SUCCESS ? ffi::Error::Success() : Fail(CudaError(*cuda, r, "cuStreamWaitEvent"));
+}
+
+ffi::Error WaitImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x_alias, ffi::AnyBuffer y,
+                    ffi::Result<ffi::AnyBuffer> y_out, int64_t op_id) {
+  return WaitFor(stream, device, op_id);
+}
+
+// The operands (the start's n aliases, then its n results) only keep their buffers alive until here.
+ffi::Error WaitGroupImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs buffers, ffi::RemainingRets ys,
+                         int64_t op_id) {
+  if (buffers.size() != 2 * ys.size())
+    return Fail("jaxdist nccl: a group wait takes the start's n aliases and n results and returns n results");
+  return WaitFor(stream, device, op_id);
+}
+
+ffi::Error StartGroupImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs xs, ffi::RemainingRets rets,
+                          int64_t key, int64_t kind, int64_t redop, int64_t op_id) {
+  const size_t n = xs.size();
+  if (n == 0 || rets.size() != 2 * n)
+    return Fail("jaxdist nccl: a group start takes n >= 1 operands and returns their n aliases and n results");
+  if (static_cast<OpKind>(kind) == OpKind::kSendRecv) return Fail("jaxdist nccl: a group holds collectives only");
+  Env env;
+  std::string err = Lookup(device, key, &env);
+  if (!err.empty()) return Fail(err);
+  std::vector<OpDesc> ops(n);
+  for (size_t i = 0; i < n && err.empty(); ++i) {
+    auto x = xs.get<ffi::AnyBuffer>(i);
+    auto y = rets.get<ffi::AnyBuffer>(n + i);
+    if (x.has_error() || y.has_error()) return Fail("jaxdist nccl: a group operand or result is not a buffer");
+    err = Describe(&ops[i], kind, *env.comm, x.value(), (*y)->untyped_data(), (*y)->element_count(), redop, {}, {});
+  }
+  if (err.empty())
+    err = StartOnSideStream(env, device, op_id, reinterpret_cast<CUstream>(stream), [&](CUstream side) {
+      if (int64_t us = DebugDelayUs(); us > 0) {
+        CUresult r = env.cuda->LaunchHostFunc(side, SleepOnStream, reinterpret_cast<void*>(static_cast<intptr_t>(us)));
+        if (r != CUDA_SUCCESS) return CudaError(*env.cuda, r, "cuLaunchHostFunc");
+      }
+      return IssueGroup(*env.nccl, *env.comm, ops.data(), n, reinterpret_cast<cudaStream_t>(side));
+    });
+  return err.empty() ? ffi::Error::Success() : Fail(err);
 }
 
 ffi::Error MemcpyImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
@@ -283,3 +338,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdist_nccl_wait, WaitImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jaxdist_memcpy, MemcpyImpl,
     ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdist_nccl_start_group, StartGroupImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("comm_key")
+                                  .Attr<int64_t>("kind")
+                                  .Attr<int64_t>("redop")
+                                  .Attr<int64_t>("op_id"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdist_nccl_wait_group, WaitGroupImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("op_id"));

@@ -24,7 +24,7 @@ BACKEND_NAMES = ("xla", "nccl")
 
 
 class Backend:
-    """Base class: the four collectives and how an async pair is split."""
+    """Base class: the four collectives, and how an async pair (of one op or a group) is split."""
 
     name: str = ""
     dtypes: tuple[Any, ...] = ()
@@ -41,6 +41,15 @@ class Backend:
     def finish(self, kind: str, buffers: tuple, axis_name, params: dict):
         """End the op begun by `start`; return its result."""
         return buffers[0]
+
+    def start_group(self, kind: str, xs: tuple, axis_name, params: list[dict]) -> tuple:
+        """Begin `kind` over every array of `xs` (params[i] is array i's); return the buffers that
+        must stay alive until `finish_group`. Here: one op per array, started together."""
+        return tuple(getattr(self, kind)(x, axis_name, **p) for x, p in zip(xs, params, strict=True))
+
+    def finish_group(self, kind: str, buffers: tuple, axis_name, params: list[dict]) -> tuple:
+        """End the group begun by `start_group`; return its results, one per array."""
+        return tuple(buffers)
 
     # Whether a handle of this backend may be carried across a scan/while boundary before its wait.
     handles_cross_loops = True

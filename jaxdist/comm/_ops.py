@@ -1,5 +1,11 @@
 """The public collectives: checks, token sequencing, then the backend.
 
+A tuple (or list) of arrays in place of `x` makes a grouped op: one collective of that kind over
+every array in place, with one handle and a tuple of results. The nccl backend issues them inside one
+NCCL group (one launch); the xla backend starts them together, between the same two barriers, where
+XLA's combiners merge them. A bucket of parameters is reduced this way without copies into one flat
+buffer.
+
 Sequencing is data flow. An op's input passes through an optimization barrier
 together with the incoming token, so the op cannot begin before everything
 earlier on the chain; its result passes through another barrier with the token,
@@ -60,6 +66,9 @@ def _prepare(kind: str, x, axis_name, tok, backend: str | None, **params) -> tup
 
 
 def _run(kind, x, axis_name, tok, backend, **params):
+    if _is_group(x):  # a group's sync form: started and waited at once
+        handle, tok = _start(kind, x, axis_name, tok, backend, **params)
+        return wait(handle, tok)
     be, params = _prepare(kind, x, axis_name, tok, backend, **params)
     x, tok = _sequenced(x, tok)
     result = getattr(be, kind)(x, axis_name, **params)
@@ -67,11 +76,44 @@ def _run(kind, x, axis_name, tok, backend, **params):
 
 
 def _start(kind, x, axis_name, tok, backend, **params):
+    if _is_group(x):
+        return _start_group(kind, x, axis_name, tok, backend, params)
     be, params = _prepare(kind, x, axis_name, tok, backend, **params)
     x, tok = _sequenced(x, tok)
     buffers = be.start(kind, x, axis_name, params)  # may add what its finish needs to params
     buffers, value = be.issued(tuple(buffers), tok.value)
     frozen = tuple(sorted({**params, "axis_name": axis_name}.items()))
+    return Handle(buffers, kind, tok.chain, be.name, frozen), Token(value, tok.chain)
+
+
+def _is_group(x) -> bool:
+    return isinstance(x, tuple | list)
+
+
+# the parameters that may differ between the arrays of a group (an int, or one per array)
+_PER_ARRAY = {"all_gather": "axis", "reduce_scatter": "scatter_axis"}
+
+
+def _start_group(kind, xs, axis_name, tok, backend, params):
+    if kind == "sendrecv":
+        raise TypeError("sendrecv: takes one array; a group holds collectives (all_reduce, all_gather, reduce_scatter)")
+    if not xs:
+        raise ValueError(f"{kind}: a group needs at least one array, got an empty {type(xs).__name__}")
+    per_array = _PER_ARRAY.get(kind)
+    values = params.get(per_array) if per_array else None
+    if per_array and _is_group(values) and len(values) != len(xs):
+        raise ValueError(f"{kind}: {per_array} has {len(values)} entries for a group of {len(xs)} arrays")
+    prepared = []
+    for i, x in enumerate(xs):
+        own = dict(params)
+        if per_array and _is_group(values):
+            own[per_array] = values[i]
+        be, own = _prepare(kind, x, axis_name, tok, backend, **own)
+        prepared.append(own)
+    xs, tok = _sequenced(tuple(xs), tok)
+    buffers = be.start_group(kind, xs, axis_name, prepared)  # may add what its finish needs to each params
+    buffers, value = be.issued(tuple(buffers), tok.value)
+    frozen = (("axis_name", axis_name), ("group", tuple(tuple(sorted(p.items())) for p in prepared)))
     return Handle(buffers, kind, tok.chain, be.name, frozen), Token(value, tok.chain)
 
 
@@ -90,12 +132,15 @@ def reduce_scatter(x, axis_name, token: Token, *, op: str = "sum", scatter_axis:
 
     `op` is "sum" or "mean"; returns `(result, token)`. Rank r keeps slice r;
     along a tuple of axes ranks are numbered in tuple order, like `lax.axis_index`.
+    A tuple of arrays reduces each (one group; `scatter_axis` an int or one per array) and returns a tuple.
     """
     return _run("reduce_scatter", x, axis_name, token, backend, op=op, scatter_axis=scatter_axis)
 
 
 def all_reduce(x, axis_name, token: Token, *, op: str = "sum", backend: str | None = None):
-    """Reduce `x` over `axis_name` with "sum", "mean", "max" or "min"; returns `(result, token)`."""
+    """Reduce `x` over `axis_name` with "sum", "mean", "max" or "min"; returns `(result, token)`.
+
+    A tuple of arrays reduces each (one group) and returns a tuple."""
     return _run("all_reduce", x, axis_name, token, backend, op=op)
 
 
@@ -112,19 +157,22 @@ def sendrecv(x, axis_name, token: Token, *, perm: Sequence[tuple[int, int]], bac
 
 
 def all_gather_start(x, axis_name, token: Token, *, axis: int = 0, tiled: bool = True, backend: str | None = None):
-    """Begin an `all_gather`; returns `(handle, token)`. Finish it with `wait`."""
+    """Begin an `all_gather` (of one array, or a group: a tuple of arrays); returns `(handle, token)`.
+    Finish it with `wait`."""
     return _start("all_gather", x, axis_name, token, backend, axis=axis, tiled=tiled)
 
 
 def reduce_scatter_start(
     x, axis_name, token: Token, *, op: str = "sum", scatter_axis: int = 0, backend: str | None = None
 ):
-    """Begin a `reduce_scatter`; returns `(handle, token)`. Finish it with `wait`."""
+    """Begin a `reduce_scatter` (of one array, or a group: a tuple of arrays); returns `(handle, token)`.
+    Finish it with `wait`."""
     return _start("reduce_scatter", x, axis_name, token, backend, op=op, scatter_axis=scatter_axis)
 
 
 def all_reduce_start(x, axis_name, token: Token, *, op: str = "sum", backend: str | None = None):
-    """Begin an `all_reduce`; returns `(handle, token)`. Finish it with `wait`."""
+    """Begin an `all_reduce` (of one array, or a group: a tuple of arrays); returns `(handle, token)`.
+    Finish it with `wait`."""
     return _start("all_reduce", x, axis_name, token, backend, op=op)
 
 
@@ -147,7 +195,7 @@ def tie(values, token: Token):
 
 
 def wait(handle: Handle, token: Token):
-    """Finish the async op behind `handle`; returns `(result, token)`.
+    """Finish the async op behind `handle`; returns `(result, token)` (a tuple of results for a group).
 
     The token must be of the chain the op was started on, each handle is
     waited once, and only inside the `shard_map` that started it: a handle
@@ -160,5 +208,9 @@ def wait(handle: Handle, token: Token):
     params = dict(handle._params)
     axis_name = params.pop("axis_name")
     buffers, token = _sequenced(handle._buffers, token)
-    result = get_backend(handle._backend).finish(handle.op, buffers, axis_name, params)
+    be = get_backend(handle._backend)
+    if "group" in params:
+        group = [dict(p) for p in params["group"]]
+        return _sequenced(tuple(be.finish_group(handle.op, buffers, axis_name, group)), token)
+    result = be.finish(handle.op, buffers, axis_name, params)
     return _sequenced(result, token)

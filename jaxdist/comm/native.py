@@ -103,6 +103,10 @@ def _declare(lib: ctypes.CDLL) -> None:
             c.c_int,
             [c.c_int64, c.c_int, c.c_int, c.c_int64, c.c_int, c.c_int, c.c_char_p, c.c_int],
         ),
+        "jaxdist_test_issue_group": (
+            c.c_int,
+            [c.c_int64, c.c_int, c.c_int, c.c_int64, c.c_int, c.c_char_p, c.c_int],
+        ),
     }
     missing = [name for name in sig if not hasattr(lib, name)]
     if missing:

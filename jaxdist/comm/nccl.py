@@ -50,6 +50,8 @@ _TARGETS = (
     "jaxdist_nccl_collective",
     "jaxdist_nccl_start",
     "jaxdist_nccl_wait",
+    "jaxdist_nccl_start_group",
+    "jaxdist_nccl_wait_group",
     "jaxdist_memcpy",
     "jaxdist_bench_ungrouped",
 )
@@ -355,6 +357,41 @@ class NcclBackend(Backend):
                 **self._op_attrs(kind, axis_name, params),
             )
         )
+
+    def start_group(self, kind, xs, axis_name, params):
+        # One FFI call, one NCCL group over every array in place: results 0..n-1 alias the inputs
+        # (kept alive until the wait), results n..2n-1 are the collectives' outputs.
+        site = current_site()
+        op_id = _site_ids.setdefault(site, next(_op_ids)) if site else next(_op_ids)
+        laid = []
+        for x, p in zip(xs, params, strict=True):
+            xt, shape = self._layout(kind, x, p)
+            p["op_id"] = op_id
+            p["result_axes"] = _result_axes(kind, x, axis_name)
+            laid.append((xt, jax.ShapeDtypeStruct(shape, x.dtype)))
+        n = len(laid)
+        outs = tuple(jax.ShapeDtypeStruct(xt.shape, xt.dtype) for xt, _ in laid) + tuple(out for _, out in laid)
+        attrs = self._attrs(kind, axis_name, params[0].get("op", "sum"))
+        return tuple(
+            self._call(
+                "jaxdist_nccl_start_group",
+                outs,
+                *(xt for xt, _ in laid),
+                aliases={i: i for i in range(n)},
+                op_id=op_id,
+                comm_key=attrs["comm_key"],
+                kind=attrs["kind"],
+                redop=attrs["redop"],
+            )
+        )
+
+    def finish_group(self, kind, buffers, axis_name, params):
+        n = len(params)
+        outs = tuple(jax.ShapeDtypeStruct(y.shape, y.dtype) for y in buffers[n:])
+        ys = self._call(
+            "jaxdist_nccl_wait_group", outs, *buffers, aliases={n + i: i for i in range(n)}, op_id=params[0]["op_id"]
+        )
+        return tuple(_typed(self._unlayout(kind, y, p), p["result_axes"]) for y, p in zip(ys, params, strict=True))
 
     def issued(self, buffers, token):
         # The start's outputs exist once NCCL is enqueued on the side stream, so this ties

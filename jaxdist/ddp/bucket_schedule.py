@@ -54,13 +54,11 @@ class BucketSchedule(InterleaveSchedule):
             segment = pack_shard(bucket, self.chunks)  # the copy into the communication buffer
             self.gathers[b], self.tok = comm.all_gather_start(segment, axis, self.tok, tiled=True, backend=backend)
             return
-        handles = {}
-        for slot in bucket.slots:
-            chunk = self.chunks[slot.leaf]
-            handles[slot.leaf], self.tok = comm.all_gather_start(
-                chunk, axis, self.tok, axis=slot.dim, tiled=True, backend=backend
-            )
-        self.gathers[b] = handles
+        # one grouped gather over the bucket's chunks in place (one NCCL group with the nccl backend)
+        chunks = tuple(self.chunks[slot.leaf] for slot in bucket.slots)
+        dims = tuple(slot.dim for slot in bucket.slots)
+        handle, self.tok = comm.all_gather_start(chunks, axis, self.tok, axis=dims, tiled=True, backend=backend)
+        self.gathers[b] = handle
 
     def _wait_gather(self, b: int) -> dict[int, jax.Array]:
         started = self.gathers.pop(b)
@@ -68,9 +66,8 @@ class BucketSchedule(InterleaveSchedule):
             flat, self.tok = comm.wait(started, self.tok)
             gathered = unpack_bucket(self.layout.buckets[b], flat)
         else:
-            gathered = {}
-            for leaf, handle in started.items():
-                gathered[leaf], self.tok = comm.wait(handle, self.tok)
+            values, self.tok = comm.wait(started, self.tok)
+            gathered = {slot.leaf: v for slot, v in zip(self.layout.buckets[b].slots, values, strict=True)}
         self._start_gather(self.gather_order.index(b) + 1)
         return gathered
 
@@ -106,16 +103,15 @@ class BucketSchedule(InterleaveSchedule):
         if self.cfg.pack_buckets:
             start = comm.reduce_scatter_start if bucket.sharded else comm.all_reduce_start
             handle, self.tok = start(scale(pack_bucket(bucket, grads, dtype)), axis, self.tok, op=op, backend=backend)
-        else:
-            handle = {}
-            for slot in bucket.slots:
-                g = scale(grads[slot.leaf].astype(dtype))
-                if bucket.sharded:
-                    handle[slot.leaf], self.tok = comm.reduce_scatter_start(
-                        g, axis, self.tok, op=op, scatter_axis=slot.dim, backend=backend
-                    )
-                else:
-                    handle[slot.leaf], self.tok = comm.all_reduce_start(g, axis, self.tok, op=op, backend=backend)
+        else:  # one grouped collective over the bucket's gradients in place: no copies in or out
+            gs = tuple(scale(grads[slot.leaf].astype(dtype)) for slot in bucket.slots)
+            if bucket.sharded:
+                dims = tuple(slot.dim for slot in bucket.slots)
+                handle, self.tok = comm.reduce_scatter_start(
+                    gs, axis, self.tok, op=op, scatter_axis=dims, backend=backend
+                )
+            else:
+                handle, self.tok = comm.all_reduce_start(gs, axis, self.tok, op=op, backend=backend)
         if self.pending:
             self._finish_oldest()
             self.tie_next = True
@@ -126,9 +122,8 @@ class BucketSchedule(InterleaveSchedule):
         if self.cfg.pack_buckets:
             self.reduced[b], self.tok = comm.wait(handle, self.tok)
             return
-        self.reduced[b] = {}
-        for leaf, h in handle.items():
-            self.reduced[b][leaf], self.tok = comm.wait(h, self.tok)
+        values, self.tok = comm.wait(handle, self.tok)
+        self.reduced[b] = {slot.leaf: v for slot, v in zip(self.layout.buckets[b].slots, values, strict=True)}
 
     def before(self, inputs):
         if self.tie_next and inputs:

@@ -107,8 +107,10 @@ class DDP:
       overlap_param_gather: (zero1) gather each bucket during the forward,
         just ahead of its first use; otherwise gather everything first.
       pack_buckets: True copies each bucket's parameters into one flat buffer for one
-        collective; False starts one collective per parameter of the bucket, all at the
-        bucket's point in the schedule (no copies in or out; XLA may combine them).
+        collective; False starts one grouped collective per bucket over its parameters in
+        place, at the same point of the schedule (no copies in or out): one NCCL group with the
+        nccl backend; with the xla backend the per-parameter ops start together, for XLA's
+        combiners to merge (a bucket's all-reduce compiles to one all-reduce).
       backend: the `jaxdist.comm` backend ("xla" or "nccl"; default: process default).
     """
 

@@ -86,6 +86,14 @@ def main() -> None:
         _native.call("jaxdist_comm_wait_ready", key)
         return lambda: issue(key, kind, **peers)
 
+    def run_group_on_new_comm(kind, blocking, n):
+        fake.fake_nccl_reset()
+        lib.jaxdist_set_timeout_ms(300000)
+        key = next(keys)
+        init(key, blocking)
+        _native.call("jaxdist_comm_wait_ready", key)
+        return lambda: _native.call("jaxdist_test_issue_group", key, -1, kind, 16, n)
+
     for blocking in (1, 0):
         mode = "blocking" if blocking else "nonblocking"
         key = next(keys)
@@ -97,6 +105,8 @@ def main() -> None:
         scenario(f"recv_only_{mode}", run_on_new_comm(SENDRECV, blocking, recv_peer=1))
         scenario(f"sendrecv_{mode}", run_on_new_comm(SENDRECV, blocking, send_peer=1, recv_peer=1))
         scenario(f"all_reduce_{mode}", run_on_new_comm(ALL_REDUCE, blocking))
+        for name, kind in (("all_reduce", ALL_REDUCE), ("reduce_scatter", REDUCE_SCATTER), ("all_gather", ALL_GATHER)):
+            scenario(f"group3_{name}_{mode}", run_group_on_new_comm(kind, blocking, 3))
     scenario("in_progress_5_times", run_on_new_comm(SENDRECV, 0, send_peer=1), in_progress=5)
     scenario(
         "blocking_in_progress_3_times",

@@ -79,6 +79,55 @@ def test_every_op_and_async_pair_matches_the_xla_backend_on_one_gpu(blocking, dt
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
+def _grouped_body(axis, n):
+    """Each collective over a group of arrays: two dtypes, per-array axes, an empty one (reduced and
+    scattered), the async pair and the one-call form."""
+
+    def body(block):
+        a, b, c = block[0], block[0][:, :2].astype(jnp.bfloat16), block[0][:0]
+        tok = comm.token()
+        h, tok = comm.all_reduce_start((a, b, c), axis, tok, op="sum")
+        reduced, tok = comm.wait(h, tok)
+        scattered, tok = comm.reduce_scatter((a, b.T, c.T), axis, tok, op="mean", scatter_axis=(0, 1, 0))
+        h, tok = comm.all_gather_start((a, b), axis, tok, axis=(1, 0))  # (XLA gathers no zero-size dim)
+        gathered, tok = comm.wait(h, tok)
+        out = {f"reduced{i}": v for i, v in enumerate(reduced)}
+        out |= {f"scattered{i}": v for i, v in enumerate(scattered)}
+        out |= {f"gathered{i}": v for i, v in enumerate(gathered)}
+        return {k: v.astype(jnp.float32)[None] for k, v in out.items()}
+
+    return body
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
+def test_a_group_of_collectives_matches_the_xla_backend_on_one_gpu(blocking):
+    from jaxdist.comm import nccl
+
+    axis = "group_blocking" if blocking else "group_nonblocking"
+    mesh = _mesh(1, axis)
+    nccl.init(mesh, blocking=blocking)
+    x = jnp.asarray(np.random.default_rng(3).integers(0, 9, size=(1, 16, 3)), jnp.float32)
+    got, want = _both_backends(mesh, axis, x, _grouped_body(axis, 1))
+    assert len(want) == 8
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.multigpu
+def test_a_group_of_collectives_across_ranks_matches_the_xla_backend():
+    from jaxdist.comm import nccl
+
+    n = len(_gpus())
+    axis = "group_all_gpus"
+    mesh = _mesh(n, axis)
+    nccl.init(mesh)
+    x = jnp.asarray(np.random.default_rng(4).integers(0, 9, size=(n, 8 * n, 2 * n)), jnp.float32)
+    got, want = _both_backends(mesh, axis, x, _grouped_body(axis, n))
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
 @pytest.mark.gpu
 def test_results_read_after_wait_are_correct_with_a_delay_on_the_comm_stream():
     from jaxdist.comm import nccl

@@ -210,16 +210,18 @@ def lowered_for_cuda(build: Callable, backend: str) -> str:
     return run.step.jitted.trace(run.state, run.step._place(batch)).lower(lowering_platforms=("cuda",)).as_text()
 
 
-_DEFINITION = re.compile(r"^(%[\w.]+)(?::\d+)? = (.*)$")
+_DEFINITION = re.compile(r"^(%[\w.]+)(?::(\d+))? = (.*)$")
 _NCCL_CALL = re.compile(r"custom_call @(jaxdist_nccl_\w+)\(([^)]*)\)")
 _BARRIER = re.compile(r"stablehlo\.optimization_barrier (.*?) : ")
 _OP_ID = re.compile(r"\bop_id = (\d+) : i64")
+_ASYNC = ("jaxdist_nccl_start", "jaxdist_nccl_wait", "jaxdist_nccl_start_group", "jaxdist_nccl_wait_group")
 
 
 @dataclasses.dataclass
 class AsyncCalls:
-    """The async nccl calls of a lowered module: each start as `(region, value)` with its op_id, and
-    each wait with the start its two operands come from (None: not a start's two results)."""
+    """The async nccl calls of a lowered module: each start (of one op or a group) as `(region, value)`
+    with its op_id, and each wait with the start its operands come from (None: not all of one start's
+    results, in order, of its own kind)."""
 
     starts: dict[tuple, int]
     waits: list[tuple[int, tuple | None]]  # (op_id, the start it finishes)
@@ -232,7 +234,7 @@ def async_calls(hlo: str) -> AsyncCalls:
     sequencing), which forward operand i as result i: anything else, or a value from another region
     (the body of a function, loop or branch), leaves the wait without a start. A region is named by
     the line that opens it: a line ending with "{" opens one, a line starting with "}" closes one."""
-    regions, starts, waits = [], {}, []
+    regions, starts, waits, grouped = [], {}, [], {}
     forwards: dict[tuple, tuple] = {}  # a barrier's result -> its operand, both as (region, "%v#i")
 
     def resolve(value: tuple) -> tuple:
@@ -255,15 +257,21 @@ def async_calls(hlo: str) -> AsyncCalls:
             operands = [v.strip() for v in barrier.group(1).split(",")]
             for result, operand in zip(results(definition.group(1), operands), operands, strict=True):
                 forwards[region, result] = (region, operand)
-        if call and call.group(1) in ("jaxdist_nccl_start", "jaxdist_nccl_wait"):
+        if call and call.group(1) in _ASYNC:
             op_id = int(_OP_ID.search(text).group(1))
-            if call.group(1) == "jaxdist_nccl_start":
+            group = call.group(1).endswith("_group")
+            if "_start" in call.group(1):
                 starts[region, definition.group(1)] = op_id
+                grouped[region, definition.group(1)] = group, int(definition.group(2) or 1)
             else:
+                # a wait takes all its start's results, in order: 2 of one op, 2n of a group of n
                 operands = [resolve((region, v.strip())) for v in call.group(2).split(",")]
                 origin = {(r, v.split("#")[0]) for r, v in operands}
-                paired = len(origin) == 1 and [v.split("#")[-1] for _, v in operands] == ["0", "1"]
-                waits.append((op_id, origin.pop() if paired and origin <= starts.keys() else None))
+                in_order = [v.split("#")[-1] for _, v in operands] == [str(i) for i in range(len(operands))]
+                paired = len(origin) == 1 and in_order and (group or len(operands) == 2)
+                start = origin.pop() if paired and origin <= starts.keys() else None
+                complete = start is not None and grouped[start] == (group, len(operands))  # every result, same kind
+                waits.append((op_id, start if complete else None))
         if text.endswith("{"):
             regions.append(number)
     assert not regions, "the module's regions did not close: the text format changed, fix async_calls"
@@ -293,6 +301,19 @@ def test_the_xla_backend_lowers_no_nccl_call(case):  # one case per strategy fam
     assert "jaxdist_nccl" not in lowered_for_cuda(CASES[case], "xla")
 
 
+@pytest.mark.parametrize("case", ["zero1-unpacked", "ddp-unpacked-accumulate2"])
+def test_unpacked_buckets_are_one_nccl_group_each(nccl_tracing, case):
+    """pack_buckets=False: each bucket's gradients (and under zero1 its gather) are one group start over
+    the bucket's parameters in place, a kernel and a bias each here, and no single-op start."""
+    run, _ = CASES[case]("nccl")
+    hlo = lowered_for_cuda(CASES[case], "nccl")
+    groups = re.findall(r"custom_call @jaxdist_nccl_start_group\(([^)]*)\)", hlo)
+    buckets = len(run.layout)
+    assert len(groups) == buckets * (2 if "zero1" in case else 1), groups  # reductions, and gathers
+    assert all(len(operands.split(",")) == 2 for operands in groups)
+    assert "custom_call @jaxdist_nccl_start(" not in hlo
+
+
 def test_the_reader_pairs_each_wait_with_its_start_and_reports_what_is_not():
     """The reader of the lowered text itself: a start and its wait pair up through barriers; a start
     never waited, a wait on another value and a wait inside a loop body are reported."""
@@ -310,3 +331,11 @@ def test_the_reader_pairs_each_wait_with_its_start_and_reports_what_is_not():
     assert async_calls(module(start, barrier, swapped)).waits == [(3, None)]
     loop = ["%5 = stablehlo.while(%2#0)", "cond {", "} do {", wait, "}"]  # as jax prints a loop
     assert async_calls(module(start, barrier, *loop)).waits == [(3, None)]
+    group = "%1:4 = stablehlo.custom_call @jaxdist_nccl_start_group(%0, %0) {mhlo.backend_config = {op_id = 5 : i64}}"
+    group_barrier = "%2:5 = stablehlo.optimization_barrier %1#0, %1#1, %1#2, %1#3, %t : tensor<4xf32>"
+    group_wait = "%4:2 = stablehlo.custom_call @jaxdist_nccl_wait_group(%2#0, %2#1, %2#2, %2#3) {op_id = 5 : i64}"
+    assert async_calls(module(group, group_barrier, group_wait)).waits == [(5, (0, "%1"))]
+    part = group_wait.replace("(%2#0, %2#1, %2#2, %2#3)", "(%2#0, %2#1)")  # half of the group's buffers
+    assert async_calls(module(group, group_barrier, part)).waits == [(5, None)]
+    single = group_wait.replace("_wait_group", "_wait").replace(", %2#2, %2#3", "")  # a single wait on a group
+    assert async_calls(module(group, group_barrier, single)).waits == [(5, None)]

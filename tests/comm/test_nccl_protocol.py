@@ -58,6 +58,24 @@ def test_each_op_is_issued_inside_its_own_group_then_polled(runs, op, calls, mod
 
 
 @pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+@pytest.mark.parametrize(
+    "op,call",
+    [
+        ("all_reduce", "AllReduce count=16 op=0"),
+        ("reduce_scatter", "ReduceScatter count=16 op=0"),
+        ("all_gather", "AllGather count=16"),
+    ],
+)
+def test_a_group_of_collectives_is_one_nccl_group_then_polled_once(runs, op, call, mode):
+    """A bucket's collectives over its parameters in place (`jaxdist.comm` ops on a tuple of arrays):
+    every call inside one group, one launch, then the one poll of a single op."""
+    log = runs[f"group3_{op}_{mode}"]["log"]
+    poll = ["CommGetAsyncError -> Success"] if mode == "nonblocking" else []
+    assert runs[f"group3_{op}_{mode}"]["error"] is None
+    assert log == ["GroupStart", call, call, call, "GroupEnd", *poll]
+
+
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
 def test_each_pipeline_tick_of_a_rank_is_one_group_lone_sends_and_receives_too(runs, mode):
     """A 1F1B table (pp=4, 4 micro-batches) issued tick by tick: every rank that communicates in a
     tick issues its send and its receive in one group; a warm-up tick's lone send and a cool-down

@@ -352,3 +352,15 @@ def test_unpacked_zero1_gathers_and_scatters_each_parameter_in_its_buckets_place
     assert len(gathers) == 12 and len(scatters) == 12, sched
     assert gathers[-1] > matmuls[0] and scatters[0] < matmuls[-1]
     assert sum(m > scatters[0] for m in matmuls) >= 4
+
+
+def test_unpacked_ddp_reduces_each_bucket_in_one_variadic_all_reduce(mesh):
+    """pack_buckets=False, plain DDP: each bucket's gradients (a layer's kernel and bias) are reduced in
+    place by one all-reduce of two operands, not copied into a flat buffer, still spread through backward."""
+    sched = _mlp_schedule(mesh, zero1=False, pack_buckets=False)
+    matmuls = positions(sched, "matmul")
+    reductions = positions(sched, "all-reduce", "(f32[32,32]{1,0}, f32[32]{0}) all-reduce(")
+    assert not positions(sched, "all-reduce", "1152]")  # no bucket-sized buffer
+    assert len(reductions) == 6, sched  # one per bucket, both of its parameters in one op
+    assert sum(m > reductions[0] for m in matmuls) >= 4
+    assert len({sum(m < r for m in matmuls) for r in reductions}) >= 3
