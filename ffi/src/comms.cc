@@ -251,7 +251,8 @@ static std::string IssueInOneGroup(const NcclApi& nccl, Comm& comm, const OpDesc
   auto track = [&call](ncclResult_t x) {
     if (call == ncclSuccess || call == ncclInProgress) call = x;
   };
-  for (size_t i = 0; i < n; ++i) {
+  // After a failed call the rest of the group is not issued: the communicator is aborted below.
+  for (size_t i = 0; i < n && (call == ncclSuccess || call == ncclInProgress); ++i) {
     const OpDesc& op = ops[i];
     switch (op.kind) {
       case OpKind::kAllReduce:

@@ -108,7 +108,10 @@ def _start_group(kind, xs, axis_name, tok, backend, params):
         own = dict(params)
         if per_array and _is_group(values):
             own[per_array] = values[i]
-        be, own = _prepare(kind, x, axis_name, tok, backend, **own)
+        try:
+            be, own = _prepare(kind, x, axis_name, tok, backend, **own)
+        except (TypeError, ValueError) as e:  # name the array of the group the check is about
+            raise type(e)(str(e).replace(f"{kind}:", f"{kind} (array {i} of the group):", 1)) from None
         prepared.append(own)
     xs, tok = _sequenced(tuple(xs), tok)
     buffers = be.start_group(kind, xs, axis_name, prepared)  # may add what its finish needs to each params
@@ -117,17 +120,22 @@ def _start_group(kind, xs, axis_name, tok, backend, params):
     return Handle(buffers, kind, tok.chain, be.name, frozen), Token(value, tok.chain)
 
 
-def all_gather(x, axis_name, token: Token, *, axis: int = 0, tiled: bool = True, backend: str | None = None):
+def all_gather(
+    x, axis_name, token: Token, *, axis: int | Sequence[int] = 0, tiled: bool = True, backend: str | None = None
+):
     """Gather `x` from every rank of `axis_name`; returns `(result, token)`.
 
     With `tiled=True` the shards are concatenated along `axis`; otherwise they
     are stacked along a new dimension at `axis`. Shards come in rank order; along
     a tuple of axes ranks are numbered in tuple order, like `lax.axis_index`.
+    A tuple of arrays gathers each (one group; `axis` an int or one per array) and returns a tuple.
     """
     return _run("all_gather", x, axis_name, token, backend, axis=axis, tiled=tiled)
 
 
-def reduce_scatter(x, axis_name, token: Token, *, op: str = "sum", scatter_axis: int = 0, backend: str | None = None):
+def reduce_scatter(
+    x, axis_name, token: Token, *, op: str = "sum", scatter_axis: int | Sequence[int] = 0, backend: str | None = None
+):
     """Reduce `x` over `axis_name` and keep this rank's slice of `scatter_axis`.
 
     `op` is "sum" or "mean"; returns `(result, token)`. Rank r keeps slice r;
@@ -156,14 +164,16 @@ def sendrecv(x, axis_name, token: Token, *, perm: Sequence[tuple[int, int]], bac
     return _run("sendrecv", x, axis_name, token, backend, perm=perm)
 
 
-def all_gather_start(x, axis_name, token: Token, *, axis: int = 0, tiled: bool = True, backend: str | None = None):
+def all_gather_start(
+    x, axis_name, token: Token, *, axis: int | Sequence[int] = 0, tiled: bool = True, backend: str | None = None
+):
     """Begin an `all_gather` (of one array, or a group: a tuple of arrays); returns `(handle, token)`.
     Finish it with `wait`."""
     return _start("all_gather", x, axis_name, token, backend, axis=axis, tiled=tiled)
 
 
 def reduce_scatter_start(
-    x, axis_name, token: Token, *, op: str = "sum", scatter_axis: int = 0, backend: str | None = None
+    x, axis_name, token: Token, *, op: str = "sum", scatter_axis: int | Sequence[int] = 0, backend: str | None = None
 ):
     """Begin a `reduce_scatter` (of one array, or a group: a tuple of arrays); returns `(handle, token)`.
     Finish it with `wait`."""

@@ -121,6 +121,11 @@ def main() -> None:
         fail=("ReduceScatter", NCCL_INTERNAL_ERROR, "peer 1 vanished"),
     )
     scenario(
+        "error_in_group",
+        run_group_on_new_comm(ALL_REDUCE, 1, 3),
+        fail=("AllReduce", NCCL_INTERNAL_ERROR, "peer 1 vanished"),
+    )
+    scenario(
         "async_error",
         run_on_new_comm(ALL_REDUCE, 0),
         fail=("CommGetAsyncError", NCCL_INTERNAL_ERROR, "remote rank failed"),

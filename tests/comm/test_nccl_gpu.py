@@ -79,7 +79,7 @@ def test_every_op_and_async_pair_matches_the_xla_backend_on_one_gpu(blocking, dt
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-def _grouped_body(axis, n):
+def _grouped_body(axis):
     """Each collective over a group of arrays: two dtypes, per-array axes, an empty one (reduced and
     scattered), the async pair and the one-call form."""
 
@@ -108,7 +108,7 @@ def test_a_group_of_collectives_matches_the_xla_backend_on_one_gpu(blocking):
     mesh = _mesh(1, axis)
     nccl.init(mesh, blocking=blocking)
     x = jnp.asarray(np.random.default_rng(3).integers(0, 9, size=(1, 16, 3)), jnp.float32)
-    got, want = _both_backends(mesh, axis, x, _grouped_body(axis, 1))
+    got, want = _both_backends(mesh, axis, x, _grouped_body(axis))
     assert len(want) == 8
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
@@ -123,13 +123,14 @@ def test_a_group_of_collectives_across_ranks_matches_the_xla_backend():
     mesh = _mesh(n, axis)
     nccl.init(mesh)
     x = jnp.asarray(np.random.default_rng(4).integers(0, 9, size=(n, 8 * n, 2 * n)), jnp.float32)
-    got, want = _both_backends(mesh, axis, x, _grouped_body(axis, n))
+    got, want = _both_backends(mesh, axis, x, _grouped_body(axis))
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 @pytest.mark.gpu
-def test_results_read_after_wait_are_correct_with_a_delay_on_the_comm_stream():
+@pytest.mark.parametrize("group", [False, True], ids=["one-op", "group"])
+def test_results_read_after_wait_are_correct_with_a_delay_on_the_comm_stream(group):
     from jaxdist.comm import nccl
 
     mesh = _mesh(1, "race")
@@ -137,10 +138,11 @@ def test_results_read_after_wait_are_correct_with_a_delay_on_the_comm_stream():
 
     def body(x):
         tok = comm.token()
-        h, tok = comm.all_gather_start(x, "race", tok, backend="nccl")
+        half = x.shape[0] // 2
+        h, tok = comm.all_gather_start((x[:half], x[half:]) if group else x, "race", tok, backend="nccl")
         busy = jnp.sin(x) * 2  # compute that overlaps the delayed gather
         y, tok = comm.wait(h, tok)
-        return y + busy * 0
+        return (jnp.concatenate(y) if group else y) + busy * 0
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("race"), out_specs=P("race"), check_vma=False))
     sharding = NamedSharding(mesh, P("race"))

@@ -139,6 +139,17 @@ def test_an_nccl_error_becomes_an_exception_with_nccls_message(runs):
     assert r["log"][-2:] == ["GroupEnd", "CommAbort"]  # the group is closed before aborting
 
 
+def test_an_nccl_error_inside_a_group_closes_the_group_aborts_and_raises(runs):
+    """The first of a group's three calls fails: the rest are not issued, the group is closed (NCCL's
+    group state stays balanced), the communicator aborted, and NCCL's message raised."""
+    r = runs["error_in_group"]
+    assert "all_reduce" in r["error"] and "internal error" in r["error"] and "peer 1 vanished" in r["error"]
+    assert r["log"][0] == "GroupStart" and r["log"][-2:] == ["GroupEnd", "CommAbort"]
+    assert r["log"][1:3] == ["AllReduce count=16 op=0", "AllReduce -> error"]  # the one call, failed
+    assert sum(line.startswith("AllReduce count") for line in r["log"]) == 1
+    assert r["aborts"] == 1
+
+
 def test_an_async_error_found_while_polling_is_raised(runs):
     r = runs["async_error"]
     assert "remote rank failed" in r["error"] and r["log"][-1] == "CommAbort"
