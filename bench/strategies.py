@@ -106,7 +106,7 @@ def xla_auto(axis: str, shard_axis: str | None):
 
 def ddp(zero1: bool, reduce_dtype=None, pack_buckets: bool = True):
     """reduce_dtype=bfloat16 reduces the gradients in bfloat16, as XLA's automatic DP does;
-    pack_buckets=False runs one collective per parameter (no bucket buffers)."""
+    pack_buckets=False runs each bucket as one grouped collective over its parameters (no bucket buffers)."""
 
     def build(model, devices, batch_for, backend):
         mesh = mesh_for(devices, (len(devices),), ("dp",), backend)
