@@ -117,6 +117,9 @@ class ParallelConfig:
     tp: int = _key(1, "tensor-parallel size (> 1: DP x TP)", COUNT)
     zero1: bool = _key(True, "DDP: shard the optimizer state (FSDP and TP always do)")
     bucket_mb: float = _key(40.0, "DDP: gradient bucket size, MiB", above(0))
+    pack_buckets: bool = _key(
+        True, "DDP: copy each bucket into one buffer for its collective; false: one grouped collective in place"
+    )
     buffers: int = _key(2, "FSDP: units gathered at once", at_least(2))
     update_in_backward: bool = _key(False, "FSDP: update each unit during backward (needs optim.max_grad_norm=0)")
     sequence_parallel: bool = _key(False, "TP: split activations between tp layers (batch rows if tp divides them)")

@@ -141,6 +141,7 @@ def parallelize(cfg: TrainConfig, mesh, model, optimizer, batch):
         mesh,
         zero1=p.zero1,
         bucket_bytes=int(p.bucket_mb * 2**20),
+        pack_buckets=p.pack_buckets,
         accumulation_steps=o.accumulation_steps,
         reduce_dtype=comm_dtype,  # the parameters stay whole in their dtype: ZeRO-1 gathers the master copy
         max_grad_norm=clip,

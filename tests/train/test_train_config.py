@@ -186,6 +186,12 @@ def _prepared(overrides):
     return trainer.parallelize(c, trainer.make_mesh(c, jax.devices()), GPT(model_cfg, nnx.Rngs(0)), optimizer, batch)
 
 
+def test_pack_buckets_reaches_ddp():
+    """`parallel.pack_buckets=false`: each bucket one grouped collective over its parameters in place."""
+    assert _prepared([]).cfg.pack_buckets is True
+    assert _prepared(["parallel.pack_buckets=false"]).cfg.pack_buckets is False
+
+
 @pytest.mark.parametrize(
     ("overrides", "option"),
     [
