@@ -17,8 +17,10 @@ import optax
 from jaxdist.train.config import ConfigError
 
 
-def adamw(learning_rate, b1: float, b2: float, weight_decay: float, mask: Callable) -> optax.GradientTransformation:
-    """`optax.adamw(..., mask=mask)` with the optimizer state of an unmasked `optax.adamw`.
+def adamw(
+    learning_rate, b1: float, b2: float, weight_decay: float, mask: Callable, mu_dtype=None
+) -> optax.GradientTransformation:
+    """`optax.adamw(..., mask=mask, mu_dtype=mu_dtype)` with the optimizer state of an unmasked `optax.adamw`.
 
     optax wraps a masked decay's state in a `MaskedState`; keeping the unmasked structure lets
     checkpoints written before the mask existed resume (their leaves are the same: the decay
@@ -37,7 +39,9 @@ def adamw(learning_rate, b1: float, b2: float, weight_decay: float, mask: Callab
         return decay.init(params)
 
     masked_decay = optax.GradientTransformation(init, update)
-    return optax.chain(optax.scale_by_adam(b1=b1, b2=b2), masked_decay, optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(
+        optax.scale_by_adam(b1=b1, b2=b2, mu_dtype=mu_dtype), masked_decay, optax.scale_by_learning_rate(learning_rate)
+    )
 
 
 def path_name(path) -> str:

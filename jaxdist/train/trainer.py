@@ -105,11 +105,13 @@ def model_config(cfg: TrainConfig):
 
 def make_optimizer(cfg: TrainConfig, decay_steps: int | None = None) -> optax.GradientTransformation:
     """AdamW on the warmup + cosine schedule of `decay_steps` steps (default: optim.decay_steps or run.steps),
-    decaying the parameters `optim.no_decay` and `optim.decay_vectors` select (`decay_mask`)."""
+    decaying the parameters `optim.no_decay` and `optim.decay_vectors` select (`decay_mask`), its first
+    moment in `optim.mu_dtype`."""
     o = cfg.optim
     schedule = schedule_lib.make_schedule(o, decay_steps or o.decay_steps or cfg.run.steps)
     mask = decay_mask(o.no_decay, o.decay_vectors)
-    return adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=mask), schedule
+    mu_dtype = None if o.mu_dtype == "float32" else jnp.dtype(o.mu_dtype)  # None: the parameters' dtype
+    return adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=mask, mu_dtype=mu_dtype), schedule
 
 
 def _next_token_batches(sharding):
@@ -174,7 +176,7 @@ def _train(
     ckpt = Checkpoints(out_dir, keep, compress=compress) if cfg.run.checkpoint_every >= 0 else None
 
     start, meta = 0, None
-    found = _newest_meta(ckpt, model_meta) if (ckpt and cfg.run.resume) else None
+    found = _newest_meta(ckpt, model_meta, cfg.optim.mu_dtype) if (ckpt and cfg.run.resume) else None
     if found is not None:
         start, meta = found
         hooks.check_same_data(meta, source)
@@ -197,7 +199,7 @@ def _train(
     run = parallelize(cfg, mesh, model, optimizer, example)
     state = hf_init.load_state(run, optimizer, mcfg, cfg.run.init_from) if from_hf else run.state
     if found is not None:
-        start, (state, meta) = _restore_state(ckpt, start, run, model_meta)
+        start, (state, meta) = _restore_state(ckpt, start, run, model_meta, cfg.optim.mu_dtype)
         saved_in = meta.get("layout")
         moved = f" (saved in layout {saved_in}, converted to {layout})" if saved_in != layout else ""
         info(f"resumed from {ckpt.directory} at step {start}{moved}")
@@ -392,12 +394,13 @@ def _has_grad_norm(cfg: TrainConfig, metrics: dict) -> bool:
     return "grad_norm" in metrics and not (cfg.parallel.fsdp > 1 and cfg.parallel.update_in_backward)
 
 
-def _newest_meta(ckpt: Checkpoints, model_meta: dict):
+def _newest_meta(ckpt: Checkpoints, model_meta: dict, mu_dtype: str):
     """(step, meta) of the newest readable checkpoint of this model."""
 
     def read(step: int):
         meta = ckpt.meta(step)
         check_same_model(meta, model_meta, ckpt.directory)
+        check_same_moment_dtype(meta, mu_dtype, ckpt.directory)
         return meta
 
     had_checkpoints = bool(ckpt.manager.all_steps())
@@ -410,13 +413,26 @@ def _newest_meta(ckpt: Checkpoints, model_meta: dict):
     return found
 
 
-def _restore_state(ckpt: Checkpoints, start: int, run, model_meta: dict):
+def check_same_moment_dtype(meta: dict, mu_dtype: str, directory: Path) -> None:
+    """Refuse a resume whose `optim.mu_dtype` is not the checkpoint's (a config change, not a damaged
+    checkpoint: the restore would find every first moment of another dtype). Older checkpoints' is float32."""
+    saved = meta.get("config", {}).get("optim", {}).get("mu_dtype", "float32")
+    if saved != mu_dtype:
+        raise ConfigError(
+            f"the checkpoint in {directory} keeps AdamW's first moment in {saved}, this run asks for "
+            f"optim.mu_dtype={mu_dtype}; set optim.mu_dtype={saved} to resume it, or start a new run from its "
+            "parameters (`jaxdist export` it, then run.init_from=OUT with a new run.out_dir)"
+        )
+
+
+def _restore_state(ckpt: Checkpoints, start: int, run, model_meta: dict, mu_dtype: str):
     """(step, (state, metadata)) of the newest checkpoint at or before `start` that restores: its canonical
     state read into this run's canonical shardings, converted to the run's own layout (any layout saved it)."""
 
     def read(step: int):
         meta = ckpt.meta(step)
         check_same_model(meta, model_meta, ckpt.directory)
+        check_same_moment_dtype(meta, mu_dtype, ckpt.directory)
         return run.from_canonical(ckpt.restore(step, run.canonical_target())), meta
 
     found = ckpt.newest_readable(read, below=start + 1)

@@ -98,3 +98,28 @@ def test_same_as_optax_adamw_with_the_mask_and_the_state_of_an_unmasked_one():
         u_ours, s_ours = ours.update(grads, s_ours, params)
         u_theirs, s_theirs = theirs.update(grads, s_theirs, params)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), u_ours, u_theirs)
+
+
+def test_optim_mu_dtype_keeps_the_first_moment_in_bfloat16_as_optax_adamw_does():
+    """`optim.mu_dtype=bfloat16`: optax.adamw(mu_dtype=bfloat16)'s updates and state, the second moment
+    still float32; the default keeps every moment in the parameters' float32."""
+    import optax
+
+    from jaxdist.train.decay_mask import decay_mask
+
+    params = _params()
+    ours = _optimizer("optim.mu_dtype=bfloat16")
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 0.1, 1, 100, 0.1 * 0.1)
+    theirs = optax.adamw(schedule, 0.9, 0.95, weight_decay=0.5, mask=decay_mask("wpe", False), mu_dtype=jnp.bfloat16)
+    s_ours, s_theirs = ours.init(params), theirs.init(params)
+    grads = jax.tree.map(lambda p: jnp.sin(3.0 * p), params)
+    update_ours, update_theirs = jax.jit(ours.update), jax.jit(theirs.update)  # one program each, not op by op
+    for _ in range(3):
+        u_ours, s_ours = update_ours(grads, s_ours, params)
+        u_theirs, s_theirs = update_theirs(grads, s_theirs, params)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), u_ours, u_theirs)
+    adam = s_ours[0]
+    assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(adam.nu)} == {jnp.dtype(jnp.float32)}
+    default = _optimizer().init(params)[0]
+    assert {x.dtype for x in jax.tree.leaves((default.mu, default.nu))} == {jnp.dtype(jnp.float32)}

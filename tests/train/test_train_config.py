@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxdist.train import config as config_lib
+from jaxdist.train.array_files import ArrayFiles
 from jaxdist.train.config import ConfigError
 from jaxdist.train.data.prepare import prepare
 from jaxdist.train.data.shards import TokenShards
@@ -34,6 +35,7 @@ def cfg(tmp_path, *overrides):
         (["optim.decay_steps=0"], "optim.decay_steps must be >= 1, got 0"),
         (["parallel.remat=sometimes"], "parallel.remat must be auto, true or false, got 'sometimes'"),
         (["parallel.comm_dtype=bfloat16"], "parallel.comm_dtype must be param or compute, got 'bfloat16'"),
+        (["optim.mu_dtype=float16"], "optim.mu_dtype must be float32 or bfloat16, got 'float16'"),
         (
             ["parallel.fsdp=8", "parallel.update_in_backward=true"],
             "parallel.update_in_backward=true cannot clip by optim.max_grad_norm .*set optim.max_grad_norm=0",
@@ -231,3 +233,24 @@ def test_comm_dtype_compute_gathers_what_the_model_computes_with():
         np.testing.assert_allclose(
             np.asarray(c, np.float32), np.asarray(p, np.float32), rtol=0, atol=0.02 * step + 1e-7
         )
+
+
+def test_a_bfloat16_first_moment_is_saved_as_such_and_a_resume_must_ask_for_it(tmp_path):
+    """optim.mu_dtype=bfloat16 checkpoints bfloat16 first moments (float32 second ones); resuming without
+    the key is refused on one line naming it, the checkpoint left in place (a config change, not damage);
+    resuming with it continues exactly as the run that was never stopped."""
+    keys = ["run.checkpoint_every=2", "optim.decay_steps=10", "optim.mu_dtype=bfloat16"]
+    straight = train(cfg(tmp_path / "straight", "run.steps=3", *keys))
+    train(cfg(tmp_path, "run.steps=2", *keys))
+    saved = ArrayFiles(tmp_path / "run" / "checkpoints" / "2" / "arrays")
+    dtypes = {
+        (name.split("/")[2], saved.shape_dtype(name)[1].name)
+        for name in saved.leaves
+        if "/mu/" in name or "/nu/" in name
+    }
+    assert dtypes == {("mu", "bfloat16"), ("nu", "float32")}, dtypes
+    with pytest.raises(ConfigError, match="first moment in bfloat16, this run asks for optim.mu_dtype=float32") as e:
+        train(cfg(tmp_path, "run.steps=3", *keys[:2]))
+    assert "\n" not in str(e.value) and "set optim.mu_dtype=bfloat16 to resume" in str(e.value)
+    assert (tmp_path / "run" / "checkpoints" / "2" / "arrays").is_dir()
+    assert train(cfg(tmp_path, "run.steps=3", *keys)) == straight[2:]
