@@ -108,6 +108,12 @@ class Options:
         computed with (`metrics["weights_used"]`, `metrics["weights_used_backward"]`; a test probe
         that costs reductions per step).
       backend: the `jaxdist.comm` backend.
+      pack_units: True (default) packs a unit's pieces into one flat buffer per dtype for each
+        gather and reduction (copies in and out); False communicates each unit as one grouped
+        collective over its pieces in place (`jaxdist.comm` groups: one NCCL group with the nccl
+        backend, ops XLA's combiners merge with the xla backend), with no packing copies. In a
+        pipeline this is the step's gather of the stored pieces and the reduction of the embedding's
+        and head's gradients; the messages between stages stay packed.
       cp_axis: the context-parallel axis (docs/guides/context-parallel.md): each data rank's sequences are
         cut into 2 cp chunks along dimension 1, rank r holding chunks r and 2 cp - 1 - r; every batch array
         with the sequence along dimension 1 is cut alike, `batch["positions"]` (the tokens' global positions)
@@ -136,6 +142,7 @@ class Options:
     skip_nonfinite: bool | None = None
     record_weights: bool = False
     backend: str | None = None
+    pack_units: bool = True
     cp_axis: str = "cp"
     cp_whole: tuple[str, ...] = ("segment_ids",)
 

@@ -2,7 +2,8 @@
 storage axis, and the reduction of its gradients (a reduce-scatter over the storage axis, an
 all-reduce over the other data axes).
 
-Each op packs the unit's pieces into one buffer per dtype. A handle holds arrays only; the wait
+Each op packs the unit's pieces into one buffer per dtype, or (`pack_units=False`) communicates them
+as one grouped collective over the pieces in place. A handle holds arrays only; the wait
 recomputes the buffers' keys from the values its handle carries, so the gathered weights exist
 only as the value the wait returns (no read before publication: docs/design.md).
 """
@@ -72,6 +73,15 @@ class UnitComm:
         # merge (CSE) with the forward's and keep alive from forward to backward
         ws, tok = comm.tie(ws, tok)
         ws = in_compute_dtype(self.cfg, ws)  # before the gather: the collective moves the compute dtype
+        if not self.cfg.pack_units:
+            ks = self.pieces(ws, sharded=True)
+            if not ks:
+                return ((), ws), tok
+            dims = [self.layout.store_dim(k, ws[k]) for k in ks]
+            h, tok = comm.all_gather_start(
+                tuple(ws[k] for k in ks), self.axis, tok, axis=dims, backend=self.cfg.backend
+            )
+            return ((h,), ws), tok
         handles = []
         for ks in self.buffers(ws, sharded=True):
             flat = jnp.concatenate([ws[k].reshape(-1) for k in ks])
@@ -82,6 +92,11 @@ class UnitComm:
     def gather_wait(self, handle, tok):
         handles, ws = handle
         out = dict(ws)
+        if not self.cfg.pack_units:
+            for h in handles:  # one group: each piece gathered whole along its storage dimension
+                gathered, tok = comm.wait(h, tok)
+                out.update(zip(self.pieces(ws, sharded=True), gathered, strict=True))
+            return out, tok
         for ks, h in zip(self.buffers(ws, sharded=True), handles, strict=True):
             stacked, tok = comm.wait(h, tok)  # (n, S): every storage rank's pieces
             offset = 0
@@ -97,6 +112,8 @@ class UnitComm:
         cfg, axis = self.cfg, self.axis
         if cfg.reduce_dtype is not None:
             gs = {k: g.astype(cfg.reduce_dtype) for k, g in gs.items()}
+        if not cfg.pack_units:
+            return self._reduce_start_grouped(gs, tok)
         n = cfg.size(axis) if axis else 1
         scattered, reduced = [], []
         for ks in self.buffers(gs, sharded=True):
@@ -117,6 +134,8 @@ class UnitComm:
     def reduce_wait(self, handle, tok):
         cfg = self.cfg
         scattered, reduced, gs = handle
+        if not cfg.pack_units:
+            return self._reduce_wait_grouped(scattered, reduced, gs, tok)
         out = dict(gs)
         for ks, h in zip(self.buffers(gs, sharded=True), scattered, strict=True):
             flat, tok = comm.wait(h, tok)
@@ -136,4 +155,41 @@ class UnitComm:
             for k in ks:
                 out[k] = flat[offset : offset + gs[k].size].reshape(gs[k].shape)
                 offset += gs[k].size
+        return out, tok
+
+    def pieces(self, arrays: dict, sharded: bool) -> list:
+        """The keys `buffers` holds, as one list (a group carries pieces of any dtype side by side)."""
+        return [k for ks in self.buffers(arrays, sharded) for k in ks]
+
+    def _reduce_start_grouped(self, gs: dict, tok):
+        """`reduce_start` with `pack_units=False`: one reduce-scatter group over the sharded pieces (each
+        scattered along its storage dimension), one all-reduce group over the whole ones."""
+        cfg = self.cfg
+        scattered = reduced = ()
+        ks = self.pieces(gs, sharded=True)
+        if ks:
+            dims = [self.layout.store_dim(k, gs[k]) for k in ks]
+            h, tok = comm.reduce_scatter_start(
+                tuple(gs[k] for k in ks), self.axis, tok, op="mean", scatter_axis=dims, backend=cfg.backend
+            )
+            scattered = (h,)
+        ks = self.pieces(gs, sharded=False)
+        if ks:
+            h, tok = comm.all_reduce_start(
+                tuple(gs[k] for k in ks), axis_arg(self.over), tok, op="mean", backend=cfg.backend
+            )
+            reduced = (h,)
+        return (scattered, reduced, gs), tok
+
+    def _reduce_wait_grouped(self, scattered, reduced, gs: dict, tok):
+        cfg = self.cfg
+        out = dict(gs)
+        for h in scattered:
+            shards, tok = comm.wait(h, tok)
+            if self.others:  # the shards averaged over the other data axes too, as one group
+                shards, tok = comm.all_reduce(shards, axis_arg(self.others), tok, op="mean", backend=cfg.backend)
+            out.update(zip(self.pieces(gs, sharded=True), shards, strict=True))
+        for h in reduced:
+            whole, tok = comm.wait(h, tok)
+            out.update(zip(self.pieces(gs, sharded=False), whole, strict=True))
         return out, tok

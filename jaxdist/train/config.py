@@ -118,7 +118,9 @@ class ParallelConfig:
     zero1: bool = _key(True, "DDP: shard the optimizer state (FSDP and TP always do)")
     bucket_mb: float = _key(40.0, "DDP: gradient bucket size, MiB", above(0))
     pack_buckets: bool = _key(
-        True, "DDP: copy each bucket into one buffer for its collective; false: one grouped collective in place"
+        True,
+        "copy each DDP bucket (each FSDP/TP/pipeline unit) into one buffer per dtype for its collectives; false: "
+        "one grouped collective over its parameters in place",
     )
     buffers: int = _key(2, "FSDP: units gathered at once", at_least(2))
     update_in_backward: bool = _key(False, "FSDP: update each unit during backward (needs optim.max_grad_norm=0)")

@@ -115,6 +115,7 @@ def parallelize(cfg: TrainConfig, mesh, model, optimizer, batch):
             compute_dtype=comm_dtype,
             max_grad_norm=clip,
             backend=p.backend,
+            pack_units=p.pack_buckets,
         )
         return strategy.prepare(model, optimizer, family.units, batch)
     if p.fsdp > 1:
@@ -130,6 +131,7 @@ def parallelize(cfg: TrainConfig, mesh, model, optimizer, batch):
             max_grad_norm=None if p.update_in_backward else clip,
             skip_nonfinite=not p.update_in_backward,
             backend=p.backend,
+            pack_units=p.pack_buckets,
         )
         return strategy.prepare(model, optimizer, family.units, batch)
     if p.remat is True:  # DDP differentiates the whole loss: it has no blocks to recompute
@@ -183,6 +185,7 @@ def _pipelined(cfg: TrainConfig, mesh, model, optimizer, batch, clip):
             compute_dtype=comm_dtype,
             max_grad_norm=clip,
             backend=p.backend,
+            pack_units=p.pack_buckets,
             microbatches=p.microbatches,
             schedule=p.schedule,
             virtual=p.virtual,

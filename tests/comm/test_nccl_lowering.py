@@ -158,6 +158,12 @@ CASES = {
     "fsdp-keep-activations-dropout-batchnorm": dropout_batchnorm(
         lambda b: FSDP(FSDP8, remat=False, backend=b), NET_UNITS
     ),
+    "fsdp-unpacked-update-in-backward": mlp_units(
+        lambda b: FSDP(FSDP8, pack_units=False, update_in_backward=True, backend=b)
+    ),
+    "hsdp-dp2xfsdp4-unpacked": mlp_units(
+        lambda b: FSDP(cpu_mesh((2, 4), ("dp", "fsdp")), dp_axis="dp", pack_units=False, backend=b)
+    ),
     "hsdp-dp2xfsdp4": mlp_units(lambda b: FSDP(cpu_mesh((2, 4), ("dp", "fsdp")), dp_axis="dp", backend=b)),
     "engine-zero3-remat": mlp_units(lambda b: Parallel(FSDP8, remat=True, backend=b)),
     "engine-zero3-keep-activations": mlp_units(lambda b: Parallel(FSDP8, remat=False, backend=b)),
@@ -165,6 +171,9 @@ CASES = {
     "engine-zero1": mlp_units(lambda b: Parallel(DP8, backend=b)),
     "engine-dp4xtp2": mlp_units(lambda b: Parallel(DP4XTP2, plan=MLP_PLAN, backend=b)),
     "engine-dp4xtp2-replicated": mlp_units(lambda b: Parallel(DP4XTP2, plan=MLP_PLAN, zero1=False, backend=b)),
+    "engine-dp4xtp2-unpacked-unused-params": mlp_units(
+        lambda b: Parallel(DP4XTP2, plan=MLP_PLAN, pack_units=False, backend=b), UNUSED
+    ),
     "engine-dp4xtp2-unused-params": mlp_units(lambda b: Parallel(DP4XTP2, plan=MLP_PLAN, backend=b), UNUSED),
     "engine-fsdp2xtp4-seqpar-gpt": gpt_units(
         lambda b, plan: Parallel(FSDP2XTP4, plan=plan, sequence_parallel=True, backend=b)

@@ -67,6 +67,7 @@ def one_device():
 
 STRATEGIES = {
     "fsdp8": lambda: Parallel(cpu_mesh((8,), ("fsdp",))),
+    "fsdp8-grouped": lambda: Parallel(cpu_mesh((8,), ("fsdp",)), pack_units=False),  # a group of both dtypes
     "hsdp2x4": lambda: Parallel(cpu_mesh((2, 4), ("dp", "fsdp"))),
     "zero1-8": lambda: Parallel(cpu_mesh((8,), ("dp",))),
     "pp2xfsdp4": lambda: Pipelined(cpu_mesh((2, 4), ("pp", "fsdp")), microbatches=2),

@@ -158,3 +158,29 @@ def test_tensor_parallel_gpt_keeps_bf16_and_cudnn_attention():
     assert dots and all("bf16" in line for line in dots)
     state, m = run.step(run.state, batch)
     assert np.isfinite(float(m["loss"]))
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("pack_units", [True, False], ids=["packed", "grouped"])
+def test_fsdp_over_every_gpu_matches_the_xla_backend(pack_units):
+    """FSDP over two or more GPUs with the nccl backend, each unit's gather and reduce-scatter packed into
+    flat buffers or (`pack_units=False`) one NCCL group over its pieces in place, with a delay before every
+    NCCL op: the xla backend's numbers."""
+    from jaxdist.comm import nccl
+
+    n = 2 if jax.device_count("gpu") < 4 else 4
+    mesh = Mesh(np.asarray(jax.devices("gpu")[:n]), ("fsdp",), axis_types=(AxisType.Explicit,))
+    nccl.init(mesh)
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=4)
+    _, _, batches = make_case("gpt", 4)
+    out = {}
+    for backend in ("nccl", "xla"):
+        nccl.set_debug_delay(300 if backend == "nccl" else 0)
+        try:
+            strategy = FSDP(mesh, pack_units=pack_units, backend=backend)
+            run = strategy.prepare(GPT(cfg, nnx.Rngs(0)), optax.adam(1e-3), Units(embed_inputs, head_loss), batches[0])
+            out[backend] = _train(run, batches)
+        finally:
+            nccl.set_debug_delay(0)
+    assert len(set(out["nccl"][0])) == len(batches)
+    _assert_same(out["nccl"], out["xla"])

@@ -188,10 +188,21 @@ def _prepared(overrides):
     return trainer.parallelize(c, trainer.make_mesh(c, jax.devices()), GPT(model_cfg, nnx.Rngs(0)), optimizer, batch)
 
 
-def test_pack_buckets_reaches_ddp():
-    """`parallel.pack_buckets=false`: each bucket one grouped collective over its parameters in place."""
-    assert _prepared([]).cfg.pack_buckets is True
-    assert _prepared(["parallel.pack_buckets=false"]).cfg.pack_buckets is False
+@pytest.mark.parametrize(
+    ("overrides", "option"),
+    [
+        ([], "pack_buckets"),
+        (["parallel.fsdp=8"], "pack_units"),
+        (["parallel.tp=2"], "pack_units"),
+        (["parallel.pp=2", "model.n_layers=2"], "pack_units"),
+    ],
+    ids=["ddp", "fsdp", "tp", "pp"],
+)
+def test_pack_buckets_reaches_every_strategy(overrides, option):
+    """`parallel.pack_buckets=false`: each DDP bucket, or each unit of the engine, one grouped collective over
+    its parameters in place."""
+    assert getattr(_prepared(overrides).cfg, option) is True
+    assert getattr(_prepared(["parallel.pack_buckets=false", *overrides]).cfg, option) is False
 
 
 @pytest.mark.parametrize(
