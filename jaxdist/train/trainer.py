@@ -416,12 +416,13 @@ def _newest_meta(ckpt: Checkpoints, model_meta: dict, mu_dtype: str):
 def check_same_moment_dtype(meta: dict, mu_dtype: str, directory: Path) -> None:
     """Refuse a resume whose `optim.mu_dtype` is not the checkpoint's (a config change, not a damaged
     checkpoint: the restore would find every first moment of another dtype). Older checkpoints' is float32."""
-    saved = meta.get("config", {}).get("optim", {}).get("mu_dtype", "float32")
+    saved = ((meta.get("config") or {}).get("optim") or {}).get("mu_dtype", "float32")
     if saved != mu_dtype:
+        run_dir = Path(directory).parent
         raise ConfigError(
             f"the checkpoint in {directory} keeps AdamW's first moment in {saved}, this run asks for "
             f"optim.mu_dtype={mu_dtype}; set optim.mu_dtype={saved} to resume it, or start a new run from its "
-            "parameters (`jaxdist export` it, then run.init_from=OUT with a new run.out_dir)"
+            f"parameters (`jaxdist export {run_dir} OUT`, then run.init_from=OUT with a new run.out_dir)"
         )
 
 

@@ -265,3 +265,14 @@ def test_a_bfloat16_first_moment_is_saved_as_such_and_a_resume_must_ask_for_it(t
     assert "\n" not in str(e.value) and "set optim.mu_dtype=bfloat16 to resume" in str(e.value)
     assert (tmp_path / "run" / "checkpoints" / "2" / "arrays").is_dir()
     assert train(cfg(tmp_path, "run.steps=3", *keys)) == straight[2:]
+
+
+@pytest.mark.parametrize("meta", [{}, {"config": None}, {"config": {"optim": {}}}], ids=["no-config", "none", "no-key"])
+def test_a_checkpoint_that_records_no_mu_dtype_counts_as_float32(tmp_path, meta):
+    """Checkpoints from before optim.mu_dtype kept float32 moments: they resume by default, and a run asking
+    for bfloat16 is refused naming the run directory to export."""
+    from jaxdist.train.trainer import check_same_moment_dtype
+
+    check_same_moment_dtype(meta, "float32", tmp_path / "checkpoints")
+    with pytest.raises(ConfigError, match=f"first moment in float32, .*`jaxdist export {tmp_path} OUT`"):
+        check_same_moment_dtype(meta, "bfloat16", tmp_path / "checkpoints")
