@@ -126,15 +126,16 @@ def fsdp(model, devices, batch_for, backend):
     return FSDP(mesh, backend=backend).prepare(model, optimizer(), Units(embed_inputs, head_loss), batch), batch
 
 
-def engine_zero3(remat: bool | None = None, compute_dtype=None):
+def engine_zero3(remat: bool | None = None, compute_dtype=None, pack_units: bool = True):
     """The engine's ZeRO-3 over fsdp; remat=False keeps activations (rebuilds only the weights' residuals);
     compute_dtype=bfloat16 gathers the weights in bfloat16 (each shard cast before its gather, the cast
-    the model makes anyway) and reduces their gradients in bfloat16."""
+    the model makes anyway) and reduces their gradients in bfloat16; pack_units=False gathers and reduces
+    each unit as one grouped collective over its pieces (no packing copies)."""
 
     def build(model, devices, batch_for, backend):
         mesh = mesh_for(devices, (len(devices),), ("fsdp",), backend)
         batch = batch_for(mesh)
-        run = Parallel(mesh, remat=remat, compute_dtype=compute_dtype, backend=backend)
+        run = Parallel(mesh, remat=remat, compute_dtype=compute_dtype, pack_units=pack_units, backend=backend)
         return run.prepare(model, optimizer(), UNITS, batch), batch
 
     return build
@@ -179,11 +180,13 @@ CONFIGS = {  # name: (builder, comm backend)
             ("fsdp", fsdp),
             ("zero3", engine_zero3()),
             ("zero3keep", engine_zero3(remat=False)),
+            ("zero3keepunpacked", engine_zero3(remat=False, pack_units=False)),
             ("zero1bf16", ddp(zero1=True, reduce_dtype=jnp.bfloat16)),
             ("zero1unpacked", ddp(zero1=True, pack_buckets=False)),
             ("zero1bf16unpacked", ddp(zero1=True, reduce_dtype=jnp.bfloat16, pack_buckets=False)),
             ("zero3bf16", engine_zero3(compute_dtype=jnp.bfloat16)),
             ("zero3keepbf16", engine_zero3(remat=False, compute_dtype=jnp.bfloat16)),
+            ("zero3keepbf16unpacked", engine_zero3(remat=False, compute_dtype=jnp.bfloat16, pack_units=False)),
             ("dptp", engine_tp("dp")),
             ("dptpsp", engine_tp("dp", sequence_parallel=True)),
             ("fsdptp", engine_tp("fsdp")),
