@@ -64,6 +64,8 @@ class FSDP(Parallel):
       skip_nonfinite: skip the update when a gradient is NaN/Inf (default:
         on, unless `update_in_backward`).
       backend: the `jaxdist.comm` backend.
+      pack_units: False gathers and reduce-scatters each unit as grouped collectives over its
+        pieces, without packing them into flat buffers (`Parallel.pack_units`).
 
     `unroll` is accepted and ignored (kept for compatibility): the engine always unrolls its unit
     loops, since each block runs its own code.

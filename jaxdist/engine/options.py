@@ -109,11 +109,14 @@ class Options:
         that costs reductions per step).
       backend: the `jaxdist.comm` backend.
       pack_units: True (default) packs a unit's pieces into one flat buffer per dtype for each
-        gather and reduction (copies in and out); False communicates each unit as one grouped
-        collective over its pieces in place (`jaxdist.comm` groups: one NCCL group with the nccl
-        backend, ops XLA's combiners merge with the xla backend), with no packing copies. In a
-        pipeline this is the step's gather of the stored pieces and the reduction of the embedding's
-        and head's gradients; the messages between stages stay packed.
+        gather and reduction (copies in and out); False communicates them as grouped collectives
+        over the pieces themselves (`jaxdist.comm` groups: one NCCL group each with the nccl
+        backend, ops XLA's combiners merge with the xla backend), with no packing copies: a unit's
+        gather is one group; its reduction a reduce-scatter group (then an all-reduce group over
+        the other data axes) and an all-reduce group of its unsharded pieces. With the nccl backend
+        a piece stored along a dimension other than its first is transposed on the way in and out
+        (NCCL splits the leading dimension). In a pipeline it also covers the stage gradients'
+        all-reduce over the data axes; the messages between stages stay packed.
       cp_axis: the context-parallel axis (docs/guides/context-parallel.md): each data rank's sequences are
         cut into 2 cp chunks along dimension 1, rank r holding chunks r and 2 cp - 1 - r; every batch array
         with the sequence along dimension 1 is cut alike, `batch["positions"]` (the tokens' global positions)

@@ -170,10 +170,11 @@ class _Ticks(StageOps):
         return run
 
     def average_stages(self, st, tok):
-        """The rank's stage gradients averaged over the data axes in reduce_dtype (one all-reduce per dtype)."""
+        """The rank's stage gradients averaged over the data axes in reduce_dtype (one all-reduce per dtype,
+        or with `pack_units=False` one grouped all-reduce over them in place)."""
         cfg = self.cfg
         dw = {k: x.astype(cfg.reduce_dtype or x.dtype) for k, x in st["dw"].items()}
-        dw, tok = mean_over(dw, self.data_axes, tok, cfg.backend)
+        dw, tok = mean_over(dw, self.data_axes, tok, cfg.backend, pack=cfg.pack_units)
         return {**st, "dw": {k: x.astype(st["dw"][k].dtype) for k, x in dw.items()}}, tok
 
     def idle(self, st, row):
@@ -369,8 +370,15 @@ class ScheduleGrads:
         return lax.dynamic_slice_in_dim(g, lax.axis_index(self.cfg.storage_axis) * size, size, axis=d)
 
 
-def mean_over(tree: dict, axes, tok, backend):
-    """`tree`'s arrays averaged over `axes`: one all-reduce per dtype."""
+def mean_over(tree: dict, axes, tok, backend, pack: bool = True):
+    """`tree`'s arrays averaged over `axes`: one all-reduce per dtype (packed into a flat buffer), or with
+    `pack=False` one grouped all-reduce over the arrays in place."""
+    if not pack:
+        keys = sorted(tree)
+        if not keys:
+            return dict(tree), tok
+        means, tok = comm.all_reduce(tuple(tree[k] for k in keys), axes, tok, op="mean", backend=backend)
+        return dict(zip(keys, means, strict=True)), tok
     out = dict(tree)
     for keys in by_dtype(sorted(tree), tree):
         flat = jnp.concatenate([tree[k].reshape(-1) for k in keys])

@@ -188,6 +188,7 @@ CASES = {
         lambda b, _: Parallel(FSDP8, update_in_backward=True, backend=b), FSDP8
     ),
     "pipeline-pp2xdp4-1f1b": mlp_units(lambda b: Pipelined(PP2XDP4, microbatches=4, backend=b)),
+    "pipeline-pp2xdp4-unpacked": mlp_units(lambda b: Pipelined(PP2XDP4, microbatches=4, pack_units=False, backend=b)),
     "pipeline-pp2xdp4-interleaved-v2": mlp_units(
         lambda b: Pipelined(PP2XDP4, microbatches=4, schedule="interleaved", virtual=2, backend=b),
         lambda: ResMLP(nnx.Rngs(0), layers=4),

@@ -62,3 +62,54 @@ def test_the_grouped_step_packs_nothing_where_the_packed_one_does():
     grouped = Parallel(mesh, pack_units=False).prepare(make(), clipped_momentum(), ODD_UNITS, batch)
     assert concatenations(packed, batch) > 0  # the probe sees the packing copies where they are
     assert concatenations(grouped, batch) == 0
+
+
+def test_a_grouped_pipeline_step_concatenates_less_than_a_packed_one():
+    """The pipeline's gather of the stored pieces and its stage gradients' all-reduce over dp are groups
+    too (the next test pins the latter); its messages between stages stay packed either way."""
+    batch = odd_batches(1)[0]
+    mesh = cpu_mesh((2, 4), ("pp", "dp"))
+    counts = {}
+    for pack in (True, False):
+        run = Pipelined(mesh, microbatches=2, pack_units=pack).prepare(make(), clipped_momentum(), ODD_UNITS, batch)
+        counts[pack] = concatenations(run, batch)
+    assert counts[True] > counts[False], counts
+
+
+def test_the_pipelines_stage_gradients_are_averaged_over_dp_as_one_group_in_place():
+    """`mean_over(pack=False)` (the pipeline's stage-gradient reduction): the mean over the data axis of
+    arrays of two dtypes and odd shapes, the packed form's values, with no concatenation."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdist import comm
+    from jaxdist.pipeline.stage_step import mean_over
+
+    mesh = cpu_mesh((8,), ("dp",))
+    rng = np.random.default_rng(0)
+    tree = {
+        0: rng.normal(size=(8, 3, 5)).astype(np.float32),
+        1: rng.normal(size=(8, 7)).astype(jnp.bfloat16),
+        2: rng.normal(size=(8, 4)).astype(np.float32),  # two float32 arrays: the packed form concatenates them
+    }
+    tree = jax.device_put(tree, jax.sharding.NamedSharding(mesh, P("dp")))
+
+    def body(pack):
+        def f(t):
+            out, _ = mean_over({k: x[0] for k, x in t.items()}, ("dp",), comm.token(), "xla", pack=pack)
+            return {k: x[None] for k, x in out.items()}
+
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"), check_vma=False))
+
+    grouped, packed = body(False), body(True)
+    assert "concatenate" not in str(jax.make_jaxpr(grouped)(tree))
+    assert "concatenate" in str(jax.make_jaxpr(packed)(tree))  # the probe sees packing where it is
+    got, want = grouped(tree), packed(tree)
+    for k, x in tree.items():
+        np.testing.assert_array_equal(np.asarray(got[k], np.float32), np.asarray(want[k], np.float32))
+        mean = np.asarray(x, np.float64).mean(axis=0)
+        np.testing.assert_allclose(
+            np.asarray(got[k], np.float64)[3], mean, rtol=1e-2 if k == 1 else 1e-6, atol=1e-2 if k == 1 else 1e-6
+        )
