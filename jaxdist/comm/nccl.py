@@ -46,6 +46,7 @@ DELAY_ENV = "JAXDIST_NCCL_DEBUG_DELAY_US"
 
 _KIND = {"all_reduce": 0, "all_gather": 1, "reduce_scatter": 2, "sendrecv": 3}
 _REDOP = {"sum": 0, "mean": 1, "max": 2, "min": 3}
+MAX_GROUP_CALLS = 2048  # NCCL's documented limit on the calls between a ncclGroupStart and its ncclGroupEnd
 _TARGETS = (
     "jaxdist_nccl_collective",
     "jaxdist_nccl_start",
@@ -361,6 +362,12 @@ class NcclBackend(Backend):
     def start_group(self, kind, xs, axis_name, params):
         # One FFI call, one NCCL group over every array in place: results 0..n-1 alias the inputs
         # (kept alive until the wait), results n..2n-1 are the collectives' outputs.
+        if len(xs) > MAX_GROUP_CALLS:
+            raise ValueError(
+                f"{kind}: a group of {len(xs)} arrays is more than the {MAX_GROUP_CALLS} calls NCCL documents for "
+                "one ncclGroupStart/ncclGroupEnd; split it into groups of at most that many, or pack the arrays "
+                "into buffers (DDP's pack_buckets=True, the engine's pack_units=True)"
+            )
         site = current_site()
         op_id = _site_ids.setdefault(site, next(_op_ids)) if site else next(_op_ids)
         laid = []

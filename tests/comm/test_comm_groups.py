@@ -159,6 +159,23 @@ def test_an_nccl_group_keeps_every_input_alive_until_its_wait(nccl_on_cpu):
     assert start.count("output_operand_alias<") == 3 and wait.count("output_operand_alias<") == 3
 
 
+def test_an_nccl_group_larger_than_nccl_takes_is_refused_naming_the_fix(nccl_on_cpu, monkeypatch):
+    """NCCL documents at most MAX_GROUP_CALLS (2048) calls between a ncclGroupStart and its ncclGroupEnd:
+    a larger group is refused when traced (here with the limit lowered to 2), not issued."""
+    monkeypatch.setattr(nccl, "MAX_GROUP_CALLS", 2)
+
+    def body(a, b, c):
+        h, tok = comm.all_gather_start((a, b, c), "dp", comm.token(), backend="nccl")
+        return comm.wait(h, tok)[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=P(), out_specs=P(), check_vma=False))
+    x = jax.ShapeDtypeStruct((4,), jnp.float32)
+    with pytest.raises(ValueError, match=r"all_gather: a group of 3 arrays is more than the 2 calls .*pack_units=True"):
+        f.trace(x, x, x)
+    monkeypatch.setattr(nccl, "MAX_GROUP_CALLS", 3)
+    f.trace(x, x, x)  # at the limit: traced
+
+
 def _lax_stand_in(self, target, outs, *args, aliases=None, **attrs):
     """The two FFI calls of a group as `jax.lax` collectives over "dp" (4 ranks), on the leading
     dimension as NCCL works: what the nccl backend's own layout code feeds them and reads back."""
