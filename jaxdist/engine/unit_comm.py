@@ -3,7 +3,7 @@ storage axis, and the reduction of its gradients (a reduce-scatter over the stor
 all-reduce over the other data axes).
 
 Each op packs the unit's pieces into one buffer per dtype, or (`pack_units=False`) communicates them
-as one grouped collective over the pieces in place. A handle holds arrays only; the wait
+as grouped collectives over the pieces themselves, with no flat buffers. A handle holds arrays only; the wait
 recomputes the buffers' keys from the values its handle carries, so the gathered weights exist
 only as the value the wait returns (no read before publication: docs/design.md).
 """

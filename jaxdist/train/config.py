@@ -120,7 +120,7 @@ class ParallelConfig:
     pack_buckets: bool = _key(
         True,
         "copy each DDP bucket (each FSDP/TP/pipeline unit) into one buffer per dtype for its collectives; false: "
-        "one grouped collective over its parameters in place",
+        "grouped collectives over its parameters themselves, no flat buffers",
     )
     buffers: int = _key(2, "FSDP: units gathered at once", at_least(2))
     update_in_backward: bool = _key(False, "FSDP: update each unit during backward (needs optim.max_grad_norm=0)")
