@@ -52,8 +52,11 @@ def moment_dtypes(opt_state) -> set:
     return found
 
 
-# fsdp8 is slow: dp2xfsdp2xtp2 shards over fsdp too
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n == "fsdp8" else ()) for n in STRATEGIES])
+# slow: fsdp8 (dp2xfsdp2xtp2 shards over fsdp too) and ddp8 (zero1-8 runs the same class, its moments sharded)
+SLOW = {"fsdp8", "ddp8"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n in SLOW else ()) for n in STRATEGIES])
 def test_a_bfloat16_first_moment_stays_bfloat16_and_trains_as_one_device(one_device, name):
     strategy, loss = STRATEGIES[name]()
     run = strategy.prepare(make(), optimizer(), loss, odd_batches(1)[0])

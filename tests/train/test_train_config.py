@@ -246,6 +246,9 @@ def test_comm_dtype_compute_gathers_what_the_model_computes_with():
         )
 
 
+# slow (four trainer runs): the fast run checks the refusal itself (the next test) and the bfloat16 moments
+# under each strategy and in their canonical state (tests/strategies/test_optimizer_state_dtypes.py)
+@pytest.mark.slow
 def test_a_bfloat16_first_moment_is_saved_as_such_and_a_resume_must_ask_for_it(tmp_path):
     """optim.mu_dtype=bfloat16 checkpoints bfloat16 first moments (float32 second ones); resuming without
     the key is refused on one line naming it, the checkpoint left in place (a config change, not damage);
