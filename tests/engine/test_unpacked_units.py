@@ -1,21 +1,27 @@
-"""`pack_units=False`: each unit's gather and gradient reduction as one grouped collective over its
-pieces in place (`jaxdist.comm` groups), no packing into flat buffers. Checked against an independent
+"""`pack_units=False`: each unit's gather and gradient reduction as grouped collectives over its
+pieces themselves (`jaxdist.comm` groups), no packing into flat buffers. Checked against an independent
 single-device run with a scale-sensitive optimizer (an active global-norm clip, then SGD with momentum)
 and the gradient norm, on every kind of storage the engine has, and by the compiled step: the packed
 step concatenates pieces into buffers, the grouped one never does."""
 
 import re
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from support.meshes import cpu_mesh
 from support.models import ODD_PLAN, ODD_UNITS, OddMLP, odd_batches, odd_loss
 from support.optimizers import clipped_momentum
 from support.reference import assert_same_training, train_single_device
 from support.runs import train
 
+from jaxdist import comm
 from jaxdist.engine.run import Parallel
 from jaxdist.pipeline.run import Pipelined
+from jaxdist.pipeline.stage_step import mean_over
 
 STEPS = 3
 
@@ -79,14 +85,6 @@ def test_a_grouped_pipeline_step_concatenates_less_than_a_packed_one():
 def test_the_pipelines_stage_gradients_are_averaged_over_dp_as_one_group_in_place():
     """`mean_over(pack=False)` (the pipeline's stage-gradient reduction): the mean over the data axis of
     arrays of two dtypes and odd shapes, the packed form's values, with no concatenation."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import PartitionSpec as P
-
-    from jaxdist import comm
-    from jaxdist.pipeline.stage_step import mean_over
-
     mesh = cpu_mesh((8,), ("dp",))
     rng = np.random.default_rng(0)
     tree = {
