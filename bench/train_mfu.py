@@ -7,7 +7,10 @@ metrics rows after the first (which includes the compile).
     python bench/train_mfu.py --cpu                    # tiny models on the CPU: checks the script
 
 MFU is tokens/s x FLOPs per token / the device's datasheet dense bf16 peak (989 TFLOP/s for H100
-and H200), as the trainer's metrics rows report it (`jaxdist.train.trainer.flops_per_token`).
+and H200), as the trainer's metrics rows report it (`jaxdist.train.trainer.flops_per_token`). Beside
+it, the SM clock and power under load (nvidia-smi's samples drawing at least 60% of the run's highest
+power, i.e. its steps): an H200 runs these steps at its 700 W limit, below its top clock, and how far
+below moves a run's MFU by a few percent from one machine to the next.
 """
 
 import argparse
@@ -20,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
+from gpu_clock import ClockSampler  # noqa: E402
 from results import append_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,7 +58,8 @@ def measure(name: str, keys: list[str], steps: int, timeout: int, cpu: bool) -> 
         argv += ["run.log_every=5", f"run.out_dir={out}"]
         env = dict(os.environ, JAX_PLATFORMS="cpu") if cpu else os.environ
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+            with ClockSampler() as clocks:
+                done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
         except subprocess.TimeoutExpired:
             return {"error": f"over {timeout} s"}
         rows = (
@@ -71,18 +76,21 @@ def measure(name: str, keys: list[str], steps: int, timeout: int, cpu: bool) -> 
             "mfu": statistics.median(r["mfu"] for r in steady) if "mfu" in steady[0] else None,
             "mem_gb": max(r.get("mem_gb", 0.0) for r in steady),
             "losses": [round(r["loss"], 4) for r in rows if "loss" in r],  # to compare runs' curves
+            "clock_mhz_w": None if cpu else clocks.under_load(),
         }
 
 
 def table(results: dict) -> str:
-    lines = ["| configuration | keys | tokens/s | MFU | GiB in use |", "| --- | --- | --- | --- | --- |"]
+    lines = ["| configuration | keys | tokens/s | MFU | GiB in use | SM clock, power under load |"]
+    lines.append("| --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
         keys = " ".join(CONFIGS.get(name, CPU_CONFIGS.get(name, [])))
         if "error" in r:
-            lines.append(f"| {name} | `{keys}` | {r['error']} | | |")
+            lines.append(f"| {name} | `{keys}` | {r['error']} | | | |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        lines.append(f"| {name} | `{keys}` | {r['tokens_per_s']:,.0f} | {mfu} | {r['mem_gb']:.1f} |")
+        clock = f"{r['clock_mhz_w'][0]:.0f} MHz, {r['clock_mhz_w'][1]:.0f} W" if r.get("clock_mhz_w") else "-"
+        lines.append(f"| {name} | `{keys}` | {r['tokens_per_s']:,.0f} | {mfu} | {r['mem_gb']:.1f} | {clock} |")
     return "\n".join(lines)
 
 
