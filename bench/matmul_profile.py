@@ -104,30 +104,12 @@ def main() -> None:
     p.add_argument("--keep", help="a folder to copy the step's optimized HLO into")
     args = p.parse_args()
 
-    import dataclasses
-
     import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
     from gpu_clock import ClockSampler
     from jax.profiler import ProfileData
-    from one_gpu import build
+    from one_gpu import warmed_gpt_step
 
-    from jaxdist.models.gpt import FLAVORS, GPT
-
-    cfg = dataclasses.replace(
-        FLAVORS[args.flavor], dtype=jnp.bfloat16, attention="cudnn" if jax.default_backend() == "gpu" else None
-    )
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), dtype=np.int32)
-    batch = {"tokens": jnp.asarray(tokens)}
-    with jax.default_device(jax.devices("cpu")[0]):
-        model = GPT(cfg, nnx.Rngs(0))
-    run = build(args.strategy, model, batch, args.flavor, False)
-    state = run.state
-    for _ in range(3):
-        state, _ = run.step(state, batch)
-    jax.block_until_ready(state)
+    run, state, batch, cfg = warmed_gpt_step(args.flavor, args.batch, args.strategy)
     with ClockSampler() as clocks:  # untraced steps, long enough for the card to settle: is it power-capped?
         start = time.perf_counter()
         for _ in range(args.timed):
@@ -147,7 +129,10 @@ def main() -> None:
         shutil.copy(modules[-1], args.keep)
     shapes = matmul_shapes(open(modules[-1]).read())
     data = ProfileData.from_file(sorted(glob.glob(f"{trace}/**/*.xplane.pb", recursive=True))[-1])
-    plane = sorted((q for q in data.planes if q.name.startswith("/device:GPU")), key=lambda q: q.name)[0]
+    gpus = sorted((q for q in data.planes if q.name.startswith("/device:GPU")), key=lambda q: q.name)
+    if not gpus:
+        raise SystemExit("no GPU in the trace: this script reads a GPU's kernels (cuBLAS calls, Triton GEMMs)")
+    plane = gpus[0]
     lines = [line for line in plane.lines if line.name == "XLA Ops"] or [
         line for line in plane.lines if line.name.startswith("Stream")
     ]

@@ -97,6 +97,25 @@ def build(strategy: str, model, batch, flavor: str, cpu: bool):
     raise SystemExit(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
 
 
+def warmed_gpt_step(flavor: str, batch_size: int, strategy: str, warmup: int = 3):
+    """A GPT flavor's step under `strategy` on one device (bf16 compute; cuDNN attention on a GPU),
+    compiled and run `warmup` times on one random batch: (run, state, batch, config), for the scripts
+    that profile it."""
+    cfg = dataclasses.replace(
+        FLAVORS[flavor], dtype=jnp.bfloat16, attention="cudnn" if jax.default_backend() == "gpu" else None
+    )
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), dtype=np.int32)
+    batch = {"tokens": jnp.asarray(tokens)}
+    with jax.default_device(jax.devices("cpu")[0]):
+        model = GPT(cfg, nnx.Rngs(0))
+    run = build(strategy, model, batch, flavor, jax.default_backend() != "gpu")
+    state = run.state
+    for _ in range(warmup):
+        state, _ = run.step(state, batch)
+    jax.block_until_ready(state)
+    return run, state, batch, cfg
+
+
 def measure_strategy(strategy: str, flavor: str, batch_size: int, steps: int, cpu: bool) -> dict:
     """Build one configuration in this process, time its steps and read its peak memory."""
     cfg = dataclasses.replace(FLAVORS[flavor], dtype=jnp.bfloat16, attention=None if cpu else "cudnn")
