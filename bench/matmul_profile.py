@@ -7,8 +7,9 @@ Where the step's matmuls as a whole run slower than cuBLAS does on the same shap
 (bench/matmul_kernels.py), this names the ones that do. A matmul is a cuBLAS custom call or a Triton GEMM
 fusion of the optimized HLO; its FLOPs are 2 x the output's elements x the contracted size, counted
 once per step (an op inside a loop of the step would be undercounted; the GPT's step has none). The SM
-clock and power draw sampled while the traced steps run say whether the step is power-capped: the
-989 TFLOP/s datasheet peak holds at 1830 MHz, and the matmuls' speed moves with the clock.
+clock and power draw, sampled over untraced steps timed before the trace, say whether the step is
+power-capped: the 989 TFLOP/s datasheet peak holds at 1830 MHz, and the matmuls' speed moves with the
+clock.
 """
 
 import argparse

@@ -52,8 +52,8 @@ def main() -> None:
         print(f"  t={at:5.2f} s  {flops / seconds / 1e12:6.0f} TFLOP/s")
     first, last = windows[0][1], statistics.median(s for _, s in windows[len(windows) // 2 :])
     print(f"first window {flops / first / 1e12:.0f} TFLOP/s, second half's median {flops / last / 1e12:.0f} TFLOP/s")
-    n = len(clocks.samples)
-    print(f"first second: {clocks.summary(slice(0, 10))}; second half: {clocks.summary(slice(n // 2, None))}")
+    half = slice(len(clocks.samples) // 2, None)
+    print(f"first second: {clocks.summary(slice(0, 10))}; second half: {clocks.summary(half)}")
 
 
 if __name__ == "__main__":
