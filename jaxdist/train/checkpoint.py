@@ -55,6 +55,7 @@ from jaxdist.train.arrays_handler import ArraysHandler, ArraysRestore, ArraysSav
 from jaxdist.train.config import ConfigError
 from jaxdist.train.host_copy import start_host_copy, wait_for_host_copy
 from jaxdist.train.orbax_logs import DropOrbaxLogs
+from jaxdist.train.process_zero import on_process_zero
 from jaxdist.train.report import disk_full, first_line, warn, write_problem
 
 T = TypeVar("T")
@@ -373,13 +374,17 @@ class Checkpoints:
             what = "cannot be verified"
             advice = f"; if you trust its files, delete {target / name} and move {target} back to {source}"
         warn(f"checkpoint {source} {what} ({reason}); moved to {target}; the previous one is used instead{advice}")
-        if jax.process_index() == 0:
+
+        def move() -> None:
             target.parent.mkdir(exist_ok=True)
             shutil.move(source, target)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices(f"jaxdist: checkpoint {step} set aside")
+        try:
+            on_process_zero(move, "moving it")
+        except Exception as e:
+            raise CheckpointError(
+                f"could not move unreadable checkpoint {source} aside: {first_line(e)}; move or delete it yourself"
+            ) from None
         self.manager.reload()
 
     def meta(self, step: int) -> dict:

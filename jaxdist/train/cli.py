@@ -32,13 +32,14 @@ def _train(args) -> int:
     from jaxdist.train.checkpoint import CheckpointError
     from jaxdist.train.loop_guards import NonFiniteLoss
     from jaxdist.train.metrics import MetricsError
+    from jaxdist.train.process_zero import ProcessZeroError
 
     try:
         cfg = config_lib.load(path, overrides)
         from jaxdist.train.trainer import train
 
         train(cfg)
-    except (config_lib.ConfigError, ValueError, CheckpointError, MetricsError) as e:
+    except (config_lib.ConfigError, ValueError, CheckpointError, MetricsError, ProcessZeroError) as e:
         print(f"jaxdist train: error: {e}", file=sys.stderr)
         return 2
     except NonFiniteLoss as e:  # the run trained, then diverged: not a usage error

@@ -27,10 +27,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import jax
-import numpy as np
-
 from jaxdist.train.config import ConfigError, RunConfig
+from jaxdist.train.process_zero import on_process_zero
 from jaxdist.train.report import warn
 
 RUN_FILES = ("metrics.jsonl", "curves.png")
@@ -101,22 +99,13 @@ class RunDirLock:
 
 def _lock_on_process_0(out_dir: Path) -> RunDirLock | None:
     """Process 0's lock of `out_dir`; the other processes learn whether it got it (and stop with it if not)."""
-    lock, error = None, None
-    if jax.process_index() == 0:
-        lock = RunDirLock(out_dir)
-        try:
-            lock.acquire()
-        except ConfigError as e:
-            error = e
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
 
-        failed = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
-        if failed and error is None:
-            error = ConfigError(f"run.out_dir {out_dir} is in use by another trainer (process 0 says which)")
-    if error is not None:
-        raise error
-    return lock
+    def lock() -> RunDirLock:
+        held = RunDirLock(out_dir)
+        held.acquire()
+        return held
+
+    return on_process_zero(lock, f"locking run.out_dir {out_dir}")
 
 
 @contextlib.contextmanager
@@ -146,18 +135,18 @@ def _writable(run: RunConfig) -> Path:
     return out_dir
 
 
+def _clear(out_dir: Path) -> None:
+    for name in RUN_DIRS:
+        shutil.rmtree(out_dir / name, ignore_errors=True)
+    for name in RUN_FILES:
+        (out_dir / name).unlink(missing_ok=True)
+
+
 def _clear_or_check(run: RunConfig, out_dir: Path) -> None:
     """Delete the run in `out_dir` (run.overwrite), or refuse one this invocation cannot continue."""
     if run.overwrite:
-        if jax.process_index() == 0:
-            for name in RUN_DIRS:
-                shutil.rmtree(out_dir / name, ignore_errors=True)
-            for name in RUN_FILES:
-                (out_dir / name).unlink(missing_ok=True)
-        if jax.process_count() > 1:  # nobody opens the run before process 0 has cleared it
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("jaxdist: run directory cleared")
+        # nobody opens the run before process 0 has cleared it
+        on_process_zero(lambda: _clear(out_dir), f"clearing run.out_dir {out_dir}")
     elif why := _why_not_resumable(run, out_dir):
         raise ConfigError(
             f"run.out_dir {out_dir} already holds a run that this one cannot continue ({why}); "

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from jaxdist.train.config import DataConfig
 from jaxdist.train.data.prepare import ensure_prepared
 from jaxdist.train.data.shards import ShardData, StepData, read_index
+from jaxdist.train.process_zero import on_process_zero
 
 CORPUS = Path(__file__).parent / "corpus" / "river.txt"
 VAL_SEED_OFFSET = 1_000_003  # synthetic validation batches: another seed
@@ -49,12 +48,13 @@ def make(data: DataConfig, split: str, vocab_size: int, seq_len: int, seed: int,
         if not path.is_file():
             raise ValueError(f"data file {path} does not exist; set data.path to a text file")
         directory = out_dir / "data"
-        if jax.process_index() == 0:
-            ensure_prepared(
+        # the others read what process 0 writes, once it has (or stop with its error)
+        on_process_zero(
+            lambda: ensure_prepared(
                 [path], directory, tokenizer=data.tokenizer, val_fraction=data.val_fraction, progress=progress
-            )
-        if jax.process_count() > 1:  # the others read what process 0 wrote
-            multihost_utils.sync_global_devices("jaxdist: data prepared")
+            ),
+            f"preparing {path}",
+        )
     elif data.source == "shards":
         if not data.path:
             raise ValueError("data.source=shards needs data.path=DIR, a directory made by jaxdist prepare-data")

@@ -1,0 +1,79 @@
+"""Process 0's work for every process (preparing data, clearing or locking the run directory, moving a bad
+checkpoint aside): when it fails, every process stops at once saying why, instead of the others waiting
+at a barrier until jax's shutdown barrier times out (5 minutes, the others silent).
+
+The processes are wired by hand, as SLURM or a script would (`jaxdist launch` would stop the others as
+soon as process 0 exits, hiding the hang)."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DEADLINE_S = 120  # two processes start in ~10 s on a loaded CPU; the hang this guards against took 300 s
+
+DRIVER = """
+import jax
+from jaxdist.train.launch import initialize_args
+import os
+jax.distributed.initialize(**initialize_args(os.environ))
+from jaxdist.train.process_zero import ProcessZeroError, on_process_zero
+
+print("result", on_process_zero(lambda: 42, "answering"), flush=True)
+
+def fail():
+    raise ValueError("the disk is on fire; put it out")
+
+try:
+    on_process_zero(fail, "checking the disk")
+except ValueError as e:
+    print("process 0's own error:", e, flush=True)
+except ProcessZeroError as e:
+    print("told:", e, flush=True)
+"""
+
+
+def two_processes(cmd: list[str], tmp_path: Path) -> list[subprocess.CompletedProcess]:
+    """`cmd` as processes 0 and 1 of one jax.distributed job on 1 CPU device each, both waited for."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        env.update(JAXDIST_COORDINATOR=f"127.0.0.1:{port}", JAXDIST_NUM_PROCESSES="2", JAXDIST_PROCESS_ID=str(rank))
+        log = open(tmp_path / f"log{rank}.txt", "w+")  # noqa: SIM115 (read back below)
+        procs.append((subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True), log))
+    done = []
+    try:
+        for proc, log in procs:
+            proc.wait(timeout=DEADLINE_S)
+            log.seek(0)
+            done.append(subprocess.CompletedProcess(cmd, proc.returncode, log.read()))
+    finally:
+        for proc, log in procs:
+            proc.kill()
+            log.close()
+    return done
+
+
+def test_every_process_learns_the_result_or_process_0s_error(tmp_path):
+    zero, one = two_processes([sys.executable, "-c", DRIVER], tmp_path)
+    assert zero.returncode == 0 and one.returncode == 0, zero.stdout + one.stdout
+    assert "result 42" in zero.stdout and "result None" in one.stdout
+    assert "process 0's own error: the disk is on fire; put it out" in zero.stdout
+    assert "told: process 0 failed checking the disk: the disk is on fire; put it out" in one.stdout
+
+
+def test_data_that_process_0_cannot_prepare_stops_every_trainer_on_one_line(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    cmd = [sys.executable, "-m", "jaxdist.train.cli", "train", "model.flavor=tiny", "data.source=text"]
+    cmd += [f"data.path={empty}", "run.steps=2", f"run.out_dir={tmp_path / 'run'}", "run.progress=false"]
+    zero, one = two_processes(cmd, tmp_path)
+    assert zero.returncode == 2 and one.returncode == 2, zero.stdout + one.stdout
+    said = "the input is empty; give text files with some text"
+    assert f"jaxdist train: error: {said}" in zero.stdout
+    assert f"jaxdist train: error: process 0 failed preparing {empty}: {said}" in one.stdout
