@@ -16,6 +16,7 @@ stays replicated.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -28,10 +29,32 @@ from jaxdist.compat import model_sharding_dropped
 
 
 def training_copy(model: nnx.Module) -> nnx.Module:
-    """A copy of `model` in train mode (dropout on, batch statistics updated); `model` is not changed."""
+    """A copy of `model` in train mode (dropout on, batch statistics updated), without the intermediates
+    it has sown (`drop_intermediates`); `model` is not changed."""
     clone = nnx.clone(model)
     clone.train()
+    drop_intermediates(clone)
     return clone
+
+
+def drop_intermediates(model: nnx.Module, unread: str | None = None) -> None:
+    """Remove what `model` has sown (`nnx.Intermediate`, e.g. attention weights kept for a look, or an
+    auxiliary loss): values of one forward, not state a step carries to the next. A loss that uses them
+    reads them with `nnx.pop(model, nnx.Intermediate)` after calling the model; whatever it leaves is
+    dropped after each forward, so the train state keeps its shape (sowing appends to a tuple).
+    `unread`: what sowed them where no loss can read them (a block the unit engine runs apart from
+    the loss): dropping them is then warned of, since an auxiliary loss sown there would be lost."""
+    sown = nnx.pop(model, nnx.Intermediate)
+    if unread is not None and jax.tree.leaves(sown):
+        variables = jax.tree_util.tree_leaves_with_path(sown, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        names = ", ".join(repr(jax.tree_util.keystr(path, simple=True, separator="/")) for path, _ in variables)
+        # (the same text for every block: Python shows it once, not once per layer)
+        warnings.warn(
+            f"{unread} sows {names} (nnx.Intermediate), which no loss can read: the unit engine runs each "
+            "block apart from the loss and drops what it sows; return an auxiliary loss through the "
+            "block's activations, or train the model with DDP, whose loss sees the whole model",
+            stacklevel=2,
+        )
 
 
 def split_params(model: nnx.Module, who: str) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
@@ -120,19 +143,29 @@ class ModelState:
         leaves = zip(jax.tree.leaves(before), jax.tree.leaves(after), self.key_impls, strict=True)
         return self.pure_treedef.unflatten([old if impl is not None else new for old, new, impl in leaves])
 
-    def apply(self, graphdef: nnx.GraphDef, params, stored: dict, fn: Callable[[nnx.Module], Any], fixed=None):
+    def apply(
+        self,
+        graphdef: nnx.GraphDef,
+        params,
+        stored: dict,
+        fn: Callable[[nnx.Module], Any],
+        fixed=None,
+        unread: str | None = None,
+    ):
         """`fn(model)` on the model merged inside the current trace; returns `(out, stored after fn)`.
 
         `fixed` maps top-level names to variables this state leaves out (e.g. blocks that `fn` never
-        runs): they complete the model and are dropped from the result.
+        runs): they complete the model and are dropped from the result. What `fn` leaves sown is dropped
+        (`drop_intermediates`, which `unread` is passed to).
         """
         fixed = fixed or {}
         with model_sharding_dropped():  # the model runs per device: its own sharding annotations are no-ops
-            return self._apply(graphdef, params, stored, fn, fixed)
+            return self._apply(graphdef, params, stored, fn, fixed, unread)
 
-    def _apply(self, graphdef, params, stored, fn, fixed):
+    def _apply(self, graphdef, params, stored, fn, fixed, unread):
         model = nnx.merge(graphdef, params, nnx.State({**self.load(stored), **fixed}))
         out = fn(model)
+        drop_intermediates(model, unread)
         after = nnx.split(model, nnx.Param, ...)[2]
         return out, self.store(nnx.State({k: v for k, v in after.items() if k not in fixed}))
 

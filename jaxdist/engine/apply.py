@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import cp
 from jaxdist.compat import model_sharding_dropped
+from jaxdist.core.model_state import drop_intermediates
 from jaxdist.engine.layout import Layout, piece_shape, whole_shape
 from jaxdist.engine.options import Options
 from jaxdist.engine.units import ModelSplit, call_block
@@ -368,6 +369,10 @@ class UnitCode:
         def run(block):
             return call_block(i, self.bound(block, split.block_prefix(i)), x, batch, self.units.block_call)
 
+        unread = "a block"
         if split.block_states is None:
-            return run(nnx.merge(split.block_defs[i], pure, split.block_rests[i])), None
-        return split.block_states[i].apply(split.block_defs[i], pure, stored, run)
+            block = nnx.merge(split.block_defs[i], pure, split.block_rests[i])
+            y = run(block)
+            drop_intermediates(block, unread)
+            return y, None
+        return split.block_states[i].apply(split.block_defs[i], pure, stored, run, unread=unread)
