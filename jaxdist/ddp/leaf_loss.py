@@ -75,7 +75,8 @@ class LeafLoss:
             loss_sum, count_sum, acc, stored = carry
             (loss, (stored, count)), grads = grad_fn(leaves, stored, mb)
             acc = [g + d for g, d in zip(acc, grads, strict=True)]
-            return (loss_sum + loss, count_sum + count, acc, stored), None
+            # summed in float32 whatever the model computes in (as the step reports the loss)
+            return (loss_sum + loss.astype(loss_sum.dtype), count_sum + count, acc, stored), None
 
         wide = [jnp.promote_types(x.dtype, self.reduce_dtype or x.dtype) for x in self.param_avals]
         zeros = [jnp.zeros(x.shape, dtype) for x, dtype in zip(self.param_avals, wide, strict=True)]

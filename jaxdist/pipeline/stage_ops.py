@@ -255,7 +255,8 @@ class StageOps:
         if d_ow:
             st["douter"] = {k: st["douter"][k] + d_ow.get(k, 0) for k in self.outer_keys}
         if loss is not None:
-            st["loss"] = st["loss"] + loss / self.m
+            # the loss is reported in float32, whatever the model computes in (float64 too)
+            st["loss"] = st["loss"] + (loss / self.m).astype(st["loss"].dtype)
         return st
 
     # -- the ops -------------------------------------------------------------------------------
