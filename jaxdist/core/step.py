@@ -69,13 +69,28 @@ def on_own_mesh(method: Callable) -> Callable:
 
 
 def local_batch_avals(batch, ranks: int, who: str, fix: str):
-    """The per-rank shapes of `batch` split `ranks` ways along its leading dimension."""
+    """The per-rank shapes of `batch` split `ranks` ways along its leading dimension, which every leaf
+    must have, of one size: leaves of different sizes would each be split evenly and broadcast
+    against each other per rank, training silently on mismatched rows."""
+    sizes = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+        name = jax.tree_util.keystr(path, simple=True, separator="/") or "the batch"
+        if jnp.ndim(x) == 0:
+            raise ValueError(
+                f"{who}: batch leaf {name!r} is a scalar; every leaf's leading dimension is the batch "
+                "(pass a per-batch constant to the model or the loss function instead)"
+            )
+        sizes.setdefault(x.shape[0], name)
+    if len(sizes) > 1:
+        said = ", ".join(f"{name!r} has {size}" for size, name in sizes.items())
+        raise ValueError(
+            f"{who}: the batch's leaves disagree on the batch size (their leading dimension): {said}; "
+            "give every leaf the same number of rows"
+        )
 
     def local(x):
-        if x.ndim == 0 or x.shape[0] % ranks:
-            raise ValueError(
-                f"{who}: batch leading dimension {x.shape[0] if x.ndim else None} must be divisible by {fix}"
-            )
+        if x.shape[0] % ranks:
+            raise ValueError(f"{who}: batch leading dimension {x.shape[0]} must be divisible by {fix}")
         return jax.ShapeDtypeStruct((x.shape[0] // ranks, *x.shape[1:]), x.dtype)
 
     return jax.tree.map(local, batch)

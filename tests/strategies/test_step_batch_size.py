@@ -72,3 +72,16 @@ def test_a_step_batch_that_does_not_split_is_a_clear_error(name, rows, match):
     with pytest.raises(ValueError, match=match):
         run.step(run.state, odd_batches(1, rows=rows)[0])
     jax.block_until_ready(run.state.params)  # the state was not donated to a failed step
+
+
+@pytest.mark.parametrize("name", ["ddp-zero1", "hsdp", "pipeline"])
+def test_batch_leaves_of_different_sizes_are_a_clear_error_at_prepare_and_at_step(name):
+    """16 rows of x against 8 of y used to split evenly per rank (2 against 1) and broadcast: a step
+    that trained silently on mismatched rows, where one device fails."""
+    mismatched = {**SMALL, "y": SMALL["y"][:8]}
+    match = "the batch's leaves disagree on the batch size .*'x' has 16, 'y' has 8"
+    with pytest.raises(ValueError, match=match):
+        prepare(name, make(), optax.sgd(0.1), mismatched)
+    run = prepare(name, make(), optax.sgd(0.1), SMALL)
+    with pytest.raises(ValueError, match=match):
+        run.step(run.state, mismatched)
