@@ -129,6 +129,8 @@ class EngineParts:
             model = training_copy(model)  # the step runs train mode; the caller's model is untouched
             nnx.update(model, on_auto_axes(nnx.state(model)))  # a model built inside a user's jax.set_mesh
             split = ModelSplit(model, units, type(cfg).__name__)
+            if cfg.sequence_parallel:
+                _refuse_batch_statistics_in_blocks(split)
             placements = split.resolve_plan(cfg, model, batch) if cfg.plan is not None and cfg.tp > 1 else None
             stacked = units.blocks if units.stacked else None
             layout = Layout(cfg, mesh, split.pure, placements, stacked, spec_rule)
@@ -272,3 +274,16 @@ class ParallelRun(PartsRun):
     def sequence_dim(self) -> int:
         """The activations' dimension sequence parallelism splits over tp."""
         return self.parts.code.sequence_dim
+
+
+def _refuse_batch_statistics_in_blocks(split: ModelSplit) -> None:
+    """Under sequence parallelism each tp rank runs a block on its chunk of the tokens: a BatchNorm there
+    would normalize by the chunk's statistics, not the data rank's (silently other numbers than one
+    device's), so a block holding batch statistics is refused."""
+    for i, state in enumerate(split.block_states or ()):
+        if any(state.is_batch_stat):
+            raise ValueError(
+                f"Parallel: block {i} holds batch statistics (nnx.BatchStat, e.g. BatchNorm), which under "
+                "sequence_parallel would be taken over each tp rank's chunk of the tokens, not the whole "
+                "batch; turn sequence_parallel off, or normalize per token (LayerNorm, RMSNorm)"
+            )
