@@ -66,7 +66,15 @@ def split_params(model: nnx.Module, who: str) -> tuple[nnx.GraphDef, nnx.State, 
             f"{who}: the model has no nnx.Param, so nothing would train; declare the trained weights as "
             "nnx.Param (an nnx.Variable is state the step carries but does not train)"
         )
-    return graphdef, params, rest
+    return graphdef, jax.tree.map(strong, params), rest
+
+
+def strong(x):
+    """`x` without JAX's weak type (a parameter made from a Python scalar, `nnx.Param(jnp.array(0.9))`,
+    is weakly typed until the first update makes it strong): the train state keeps one type from the
+    start, so the second step runs the first step's program (not a retrace, and a program whose
+    residuals are ordered as the first's)."""
+    return jnp.asarray(x, dtype=x.dtype) if isinstance(x, jax.Array) and jax.typeof(x).weak_type else x
 
 
 def split_for_training(model: nnx.Module, who: str) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:

@@ -390,7 +390,8 @@ class UnitGrads:
     def weight_only(self, i: int, fn, w, x, side) -> tuple[bool, ...]:
         """Which residuals of block i's vjp are functions of its weights alone (`jaxdist.engine.residuals`),
         traced once per block definition and shapes (blocks of one definition run one program)."""
-        avals = tuple((a.shape, a.dtype) for a in jax.tree.leaves((w, x, side)))
+        # weak types too: JAX orders a vjp's residuals differently when a weight's cast is an op or not
+        avals = tuple((a.shape, a.dtype, jax.typeof(a).weak_type) for a in jax.tree.leaves((w, x, side)))
         key = (self.split.block_kinds[i], len(w), jax.tree.structure((x, side)), avals)
         if key not in self._weight_only_cache:
             self._weight_only_cache[key] = weight_only(fn, w, x, side)

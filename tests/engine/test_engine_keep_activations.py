@@ -23,8 +23,9 @@ from support.runs import engine_run
 
 from jaxdist.engine import residuals as _residuals
 from jaxdist.engine.fsdp import FSDP
-from jaxdist.engine.run import Parallel
+from jaxdist.engine.run import Parallel, Units
 from jaxdist.models.gpt import GPT, UNITS, next_token_loss, tp_plan_for
+from jaxdist.pipeline.run import Pipelined
 
 HSDP_TP = ((2, 2, 2), ("dp", "fsdp", "tp"))
 FSDP8 = ((8,), ("fsdp",))
@@ -102,6 +103,55 @@ def test_any_optax_chain_is_exact_on_a_model_that_is_not_the_gpt(mesh_name):
 
 # the side-input transformer (stacked, HSDP x TP, sequence parallel) keeping activations:
 # tests/engine/test_engine_models.py, mesh dp2xfsdp2xtp2-seqpar-keep
+
+
+class ScaledBlock(nnx.Module):
+    """ReZero / layer scale: a scalar parameter made from a Python float, so JAX types it weakly."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(8, 8, rngs=rngs)
+        self.alpha = nnx.Param(jnp.array(0.9))
+
+    def __call__(self, x):
+        return x * self.alpha + self.alpha * jnp.tanh(self.lin(x))
+
+
+class ScaledNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.inp = nnx.Linear(4, 8, rngs=rngs)
+        self.blocks = nnx.List([ScaledBlock(rngs) for _ in range(2)])
+        self.out = nnx.Linear(8, 3, rngs=rngs)
+
+
+SCALED_UNITS = Units(embed=lambda m, b: m.inp(b["x"]), head_loss=lambda m, x, b: jnp.mean((m.out(x) - b["y"]) ** 2))
+
+
+def scaled_loss(model, batch):
+    x = SCALED_UNITS.embed(model, batch)
+    for block in model.blocks:
+        x = block(x)
+    return SCALED_UNITS.head_loss(model, x, batch)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "pipeline"])
+def test_a_weakly_typed_scalar_weight_trains_as_on_one_device(strategy):
+    """The first update makes a weakly typed parameter strong; the second step's program then ordered
+    the vjp's residuals otherwise than the first's, whose analysis was reused: an IndexError in backward
+    (a permutation of residuals of one shape would have been silently wrong). The state is now strongly
+    typed from `prepare` on."""
+    rng = np.random.default_rng(0)
+    data = [{"x": rng.normal(size=(16, 4)).astype(np.float32), "y": rng.normal(size=(16, 3)).astype(np.float32)}]
+    data *= 3
+    ref = train_single_device(lambda: ScaledNet(nnx.Rngs(0)), scaled_loss, data, optax.sgd(0.3))
+    if strategy == "fsdp":
+        run = FSDP(cpu_mesh((4,), ("fsdp",)), remat=False)
+    else:
+        run = Pipelined(cpu_mesh((2, 2), ("pp", "fsdp")), microbatches=2, remat=False)
+    losses, params, _, _, metrics = engine_run(run, lambda: ScaledNet(nnx.Rngs(0)), SCALED_UNITS, data, optax.sgd(0.3))
+    np.testing.assert_allclose(losses, ref.losses, rtol=LOSS_RTOL)
+    np.testing.assert_allclose([float(m["grad_norm"]) for m in metrics], ref.grad_norms, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref.params), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
 def test_dropout_and_batchnorm_train_as_under_ddp():
