@@ -215,6 +215,21 @@ def _linear_general_equation(module: nnx.LinearGeneral, ndim: int) -> Equation |
     return Equation("." + letters[:n_in], letters, "." + letters[n_in:])
 
 
+def _annotated_equation(module, ndim: int) -> Equation | None:
+    """The equation of a weight of `ndim` axes, or of `ndim - 1` when `nnx.vmap` stacked the layer (a
+    leading layer axis more than its equation). An einsum layer's weight is its equation's second
+    operand (as `nnx.Einsum` calls it): so a stacked 'BTD,DF->BTF' does not take the input, whose
+    three axes match the stacked weight's, for the weight."""
+    text = getattr(module, "einsum_str", None)
+    if isinstance(text, str) and not isinstance(module, (nnx.Linear, nnx.LinearGeneral)):
+        second = text.replace(" ", "").replace("...", ".").split("->")[0].split(",")[-1]
+        found = [e for n in (ndim, ndim - 1) if (e := Equation.parse(text, n)) is not None]
+        return next((e for e in found if e.w == second), found[0] if found else None)
+    if isinstance(module, nnx.LinearGeneral):
+        return _linear_general_equation(module, ndim) or _linear_general_equation(module, ndim - 1)
+    return static_equation(module, ndim)
+
+
 def _placement_from_split(where: str, module, split: dict) -> Placement:
     """The placement whose split dims (counted from the end) are the annotated ones, or raise."""
     if isinstance(module, nnx.Embed) and split == {"embedding": [-2]}:
@@ -224,10 +239,7 @@ def _placement_from_split(where: str, module, split: dict) -> Placement:
     others = {k: d for k, d in split.items() if k not in (param, "bias")}
     weight = getattr(module, param) if param is not None else None
     if dims is not None and len(dims) == 1 and not others:
-        ndim = weight.ndim  # a stacked layer's weight has a leading layer axis more than its equation
-        equation = static_equation(module, ndim)
-        if equation is None and isinstance(getattr(module, "einsum_str", None), str):
-            equation = Equation.parse(module.einsum_str, ndim - 1)
+        equation = _annotated_equation(module, weight.ndim)
         if equation is not None and -len(equation.w) <= dims[0]:
             letter = equation.w[dims[0]]
             kind = "column" if letter in equation.outputs() else "row" if letter in equation.contracted() else None

@@ -153,3 +153,36 @@ def test_a_placement_names_its_dimension_by_the_annotation_or_the_equation():
     )
     resolved = plan.resolve(modules, 2)
     assert [resolved.layer(("blocks", 0, p)).dim for p in ("q", "k", "o", "v")] == [1, 1, 0, 2]
+
+
+class EinsumMLP(nnx.Module):
+    """Gemma's MLP and attention output as einsums, whose inputs have as many axes as the stacked weights."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nnx.Einsum("BTD,DF->BTF", (D, FF), kernel_init=annotated("embed", "mlp"), rngs=rngs)
+        self.down = nnx.Einsum("BTF,FD->BTD", (FF, D), kernel_init=annotated("mlp", "embed"), rngs=rngs)
+        self.o = nnx.Einsum(
+            "BTNH,NHD->BTD", (HEADS, HEAD_DIM, D), kernel_init=annotated("heads", "head_dim", "embed"), rngs=rngs
+        )
+
+
+class StackedEinsums(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=2)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def make(rngs):
+            return EinsumMLP(rngs)
+
+        self.layers = make(rngs)
+
+
+def test_stacked_einsum_layers_get_the_placements_of_unstacked_ones():
+    """A stacked 'BTD,DF->BTF' has a weight of three axes, as many as its input: the input was taken for
+    the weight (up derived row, down and o refused as splitting no placement's axis)."""
+    with nnx.use_eager_sharding(False):
+        plan = tp_plan.TPPlan.from_annotations(StackedEinsums(nnx.Rngs(0)), RULES)
+    assert dict(plan.layers) == {
+        "layers/up": tp_plan.column(dim=-1),
+        "layers/down": tp_plan.row(dim=-2),
+        "layers/o": tp_plan.row(dim=-3),
+    }
