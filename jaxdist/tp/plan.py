@@ -307,6 +307,15 @@ class Layer:
             return None
         return math.prod(self.shape[self.equation.w.index(c)] for c in features[: features.index(self.letter)])
 
+    def split_axis(self) -> tuple[int, int] | None:
+        """(the split axis's size, the size of the feature axes after it): one rank's block of features,
+        seen from the end, whatever leading feature axes the model indexes away before the next layer."""
+        features = self.features()
+        if features is None or self.letter not in features:
+            return None
+        after = features[features.index(self.letter) + 1 :]
+        return self.shape[self.dim], math.prod(self.shape[self.equation.w.index(c)] for c in after)
+
     def describe(self) -> str:
         letter = f" ({self.letter})" if self.letter else ""
         outer = self.outer()
@@ -449,6 +458,11 @@ class ResolvedPlan:
 def _check_chain(unit: str, col: Layer, reader: Layer) -> None:
     a, b = col.outer(), reader.outer()
     if a is None or b is None or a == b:
+        return
+    # the column's output keeps its feature axes apart (an einsum's or LinearGeneral's): the model may
+    # index a leading one away first (a fused q/k/v's 3, MaxText's fused_qkv), so the pieces line up
+    # where both split the same axis, seen from the end
+    if col.split_axis() == reader.split_axis():
         return
     raise ValueError(
         f"TPPlan: in {unit}, column layer {col.path} splits {col.describe()} but row layer {reader.path}, which reads "

@@ -312,3 +312,58 @@ def test_a_row_einsum_fed_whole_heads_raises_naming_the_layer():
         match=r"blocks/0/attn/o \(row parallel\) gets \(8, 4\) input features where its kernel piece takes \(4, 4\)",
     ):
         Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=plan).prepare(Model(nnx.Rngs(0)), OPTIMIZER, UNITS, batches(1)[0])
+
+
+class FusedQKV(nnx.Module):
+    """MaxText's fused_qkv: one LinearGeneral to (3, heads, head_dim), indexed before attention."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.qkv = nnx.LinearGeneral(D, (3, HEADS, HEAD_DIM), rngs=rngs)
+        self.o = nnx.LinearGeneral((HEADS, HEAD_DIM), D, axis=(-2, -1), rngs=rngs)
+
+    def __call__(self, x):
+        qkv = self.qkv(x)
+        return x + self.o(jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True))
+
+
+class FusedModel(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.wte = nnx.Embed(VOCAB, D, rngs=rngs)
+        self.blocks = nnx.List([FusedQKV(rngs) for _ in range(2)])
+        self.head = nnx.Linear(D, VOCAB, rngs=rngs)
+
+
+def fused_head_loss(model, x, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(model.head(x), batch["tokens"][:, 1:]).mean()
+
+
+def fused_loss(model, batch):
+    x = model.wte(batch["tokens"][:, :-1])
+    for block in model.blocks:
+        x = block(x)
+    return fused_head_loss(model, x, batch)
+
+
+def test_a_fused_qkv_linear_general_split_by_heads_is_accepted_and_trains_as_on_one_device():
+    """Its output keeps the 3 apart from the heads, which the model indexes away: heads split on both sides
+    line up, though in the flattened (3, heads, head_dim) each rank's heads are 3 interleaved blocks
+    (the chain check refused it)."""
+    rng = np.random.default_rng(0)
+    data = [{"tokens": rng.integers(0, VOCAB, (BATCH, SEQ + 1)).astype(np.int32)} for _ in range(2)]
+    ref = train_single_device(lambda: FusedModel(nnx.Rngs(0)), fused_loss, data, optax.sgd(0.5))
+    plan = tp_plan.TPPlan({"blocks/*/qkv": tp_plan.column(dim=2), "blocks/*/o": tp_plan.row(dim=0)})
+    units = Units(embed=lambda m, b: m.wte(b["tokens"][:, :-1]), head_loss=fused_head_loss)
+    run = Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=plan).prepare(
+        FusedModel(nnx.Rngs(0)), optax.sgd(0.5), units, data[0]
+    )
+    state, losses, norms = run.state, [], []
+    for batch in data:
+        state, metrics = run.step(state, batch)
+        losses.append(float(metrics["loss"]))
+        norms.append(float(metrics["grad_norm"]))
+    np.testing.assert_allclose(losses, ref.losses, rtol=1e-5)
+    np.testing.assert_allclose(norms, ref.grad_norms, rtol=1e-5)
+    for got, want in zip(
+        jax.tree.leaves(nnx.to_pure_dict(run.params(state))), jax.tree.leaves(ref.params), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
