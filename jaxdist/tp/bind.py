@@ -283,6 +283,33 @@ def _bound_class(cls: type, kind: str) -> type:
     )
 
 
+_NORMS = (nnx.LayerNorm, nnx.RMSNorm)
+
+
+def _normalizes_last_axis(norm) -> bool:
+    axes = {getattr(norm, "reduction_axes", -1), getattr(norm, "feature_axes", -1)}
+    return axes <= {-1, (-1,)}
+
+
+@functools.cache
+def _checked_norm_class(cls: type) -> type:
+    """`cls` whose call first checks that its input holds the features it normalizes: a norm over a
+    column layer's output gets one rank's features, and would normalize them alone (silently other
+    numbers than one device's, or a shape error inside flax with a scale)."""
+
+    def __call__(self, x, *args, **kwargs):
+        if hasattr(x, "shape") and x.ndim and x.shape[-1] != self.num_features:
+            raise ValueError(
+                f"TPPlan: {self._jaxdist_path} ({cls.__name__}) normalizes {self.num_features} features but gets "
+                f"{x.shape[-1]} (tp={self._jaxdist_tp.size}): its input is one rank's features of a column layer; "
+                "normalize where the features are whole (after the row layer, or gather the column's output: "
+                "column(gather_output=True)), or per head (over head_dim) where heads are split"
+            )
+        return cls.__call__(self, x, *args, **kwargs)
+
+    return type(f"TPChecked{cls.__name__}", (cls,), {"__call__": __call__})
+
+
 def bind(module: nnx.Module, plan: ResolvedPlan, binding: Binding, prefix: tuple = ()) -> None:
     """Make the layers of a rank's local `module` (whose parameters are this rank's pieces) run
     tensor parallel: placed layers run their own code with the plan's collectives (module
@@ -296,6 +323,11 @@ def bind(module: nnx.Module, plan: ResolvedPlan, binding: Binding, prefix: tuple
         for attr in plan.divided(full):
             object.__setattr__(sub, attr, getattr(sub, attr) // binding.size)
         layer = plan.layer(full)
+        if layer is None and isinstance(sub, _NORMS) and _normalizes_last_axis(sub):
+            object.__setattr__(sub, "_jaxdist_tp", binding)
+            object.__setattr__(sub, "_jaxdist_path", "/".join(map(str, full)))
+            sub.__class__ = _checked_norm_class(type(sub))
+            continue
         if layer is None and not isinstance(sub, (nnx.Linear, nnx.Einsum)):
             continue
         object.__setattr__(sub, "_jaxdist_tp", binding)

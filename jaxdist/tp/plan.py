@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
+import warnings
 from collections.abc import Mapping
 
 from flax import nnx
@@ -93,6 +94,35 @@ class TPPlan:
             return None, 1
         return placement.split_dim(str(param_path[-1]), ndim), placement.groups
 
+    def _warn_of_undivided_head_counts(self, modules, layers: dict, size: int) -> None:
+        """Warn of a head count (an int attribute named like `n_heads`) of a module holding column layers
+        that the plan does not divide: a model reshaping by it, `q.reshape(b, t, self.n_heads, -1)`, would
+        group each rank's features into heads of the wrong width and train on without an error."""
+        by_path = {tuple(path): module for path, module in modules if isinstance(module, nnx.Module)}
+        warned = set()
+        for layer in layers.values():
+            if layer.kind != "column" or layer.placement.gather_output or layer.placement.loss_parallel:
+                continue
+            path = tuple(layer.path.split("/"))
+            for cut in range(len(path) - 1, 0, -1):
+                owner = by_path.get(tuple(int(p) if p.isdigit() else p for p in path[:cut]))
+                if owner is None:
+                    continue
+                divided = self.divided(path[:cut])
+                for attr, value in vars(owner).items():
+                    counts = isinstance(value, int) and not isinstance(value, bool) and _counts_heads(attr)
+                    # one warning per rule the fix would be: blocks/*/attn, not one per layer
+                    where = "/".join("*" if p.isdigit() else p for p in path[:cut])
+                    if counts and attr not in divided and value % size == 0 and (where, attr) not in warned:
+                        warned.add((where, attr))
+                        warnings.warn(
+                            f"TPPlan: {where}.{attr}={value} counts heads of column layers split over tp={size}, "
+                            f"but the plan does not divide it: code reshaping by it would give each rank wrong "
+                            f"heads; add divide={{{where!r}: ({attr!r},)}}, or ignore this if the model takes "
+                            "head counts from its arrays",
+                            stacklevel=3,
+                        )
+
     def check(self, model: nnx.Module, size: int, modules=None) -> None:
         """Raise if a rule matches nothing, a matched module cannot take its placement, or a size
         does not divide by `size` (`resolve` without the layers' calls)."""
@@ -128,6 +158,7 @@ class TPPlan:
         unused = sorted(set(self.layers) - used)
         if unused:
             raise ValueError(f"TPPlan: rules {unused} match no module of the model; check the paths")
+        self._warn_of_undivided_head_counts(modules, layers, size)
         resolved = ResolvedPlan(self, layers)
         if calls is not None:
             resolved.check_chains(calls)
@@ -180,6 +211,12 @@ class TPPlan:
                 continue  # a norm's scale (or another vector) alone on tp: replicated
             layers[where] = _placement_from_split(where, module, split)
         return cls({**layers, **overrides}, dict(divide or {}))
+
+
+def _counts_heads(attr: str) -> bool:
+    """n_heads, num_kv_heads, num_attention_heads, n_head (GPT-2's), not head_dim."""
+    name = attr.lower()
+    return name.endswith("heads") or name in ("n_head", "num_head")
 
 
 def _annotation(var: nnx.Variable) -> tuple:
@@ -441,6 +478,7 @@ class ResolvedPlan:
     def check_chains(self, calls: CallLog) -> None:
         """Each run of column layers (outputs split, not gathered) and the row layer after it, in the order
         a unit calls them, must split the same features: every rank's column pieces are the row's."""
+        warned: set = set()
         for unit, paths in calls.units().items():
             columns: list[Layer] = []
             for path in paths:
@@ -452,7 +490,37 @@ class ResolvedPlan:
                 elif layer.kind == "row":
                     for col in columns:
                         _check_chain(unit, col, layer)
+                        _warn_of_fused_parts(col, layer, warned)
                     columns = []
+
+
+def _feature_count(layer: Layer) -> int | None:
+    """The features from the split axis on (a leading axis the model indexes away, as the 3 of a
+    LinearGeneral to (3, heads, head_dim), is not split across)."""
+    split = layer.split_axis()
+    return split[0] * split[1] if split is not None else None
+
+
+def _warn_of_fused_parts(col: Layer, reader: Layer, warned: set) -> None:
+    """A column making k times the features its row reads, split in other than k groups: a fused
+    projection (q/k/v, SwiGLU's gate and up) whose parts lie one after another is then split across
+    parts, each rank holding q and half of k, and trains on silently. Only warned of: parts
+    interleaved per head (Megatron's, GPT-NeoX's layout) are split right by contiguous pieces."""
+    made, read, groups = _feature_count(col), _feature_count(reader), col.placement.groups
+    if made is None or read is None or made == groups * read or made % read or made == read:
+        return
+    pattern = "/".join("*" if p.isdigit() else p for p in col.path.split("/"))
+    if pattern in warned:
+        return
+    warned.add(pattern)
+    k = made // read
+    warnings.warn(
+        f"TPPlan: column layer {pattern} makes {k}x the features its row layer reads ({made} against {read}) "
+        f"but is split in {groups} group(s): if it fuses {k} parts one after another (q, k, v), each rank "
+        f"gets pieces of two parts; split each part: column(groups={k}) (leave it if its parts interleave "
+        "per head, as Megatron's and GPT-NeoX's do)",
+        stacklevel=4,
+    )
 
 
 def _check_chain(unit: str, col: Layer, reader: Layer) -> None:
