@@ -224,9 +224,21 @@ class _Signals:
 def _watch(procs, lock: threading.Lock, stop: _Signals) -> int | None:
     """Wait for every worker; on the first failure name it (and a stopped rank it waited for), stop the rest,
     and return its code; None when the launcher got a stop signal first."""
+    # the order the workers ended in: one that failed on its own ends first, and the others fail within
+    # milliseconds (a collective's peer gone), often before the next poll: the first is the one to name
+    ended, order = threading.Lock(), []
+
+    def wait(rank, proc):
+        code = proc.wait()
+        with ended:
+            order.append((rank, code))
+
+    for rank, proc in enumerate(procs):
+        threading.Thread(target=wait, args=(rank, proc), daemon=True).start()
     while stop.signum is None:
         codes = [p.poll() for p in procs]
-        failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
+        with ended:
+            failed = [(rank, c) for rank, c in order if c != 0]
         if failed:
             rank, code = failed[0]
             stalled = stopped_ranks(procs)

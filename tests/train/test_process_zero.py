@@ -1,6 +1,8 @@
-"""Process 0's work for every process (preparing data, clearing or locking the run directory, moving a bad
-checkpoint aside): when it fails, every process stops at once saying why, instead of the others waiting
-at a barrier until jax's shutdown barrier times out (5 minutes, the others silent).
+"""Errors of one process in a multi-process run. Process 0's work for every process (preparing data,
+clearing or locking the run directory, moving a bad checkpoint aside): when it fails, every process
+stops at once saying why, instead of the others waiting at a barrier until jax's shutdown barrier
+times out (5 minutes, the others silent). An error one rank finds alone ends that rank at once, and
+`jaxdist launch` names it.
 
 The processes are wired by hand, as SLURM or a script would (`jaxdist launch` would stop the others as
 soon as process 0 exits, hiding the hang)."""
@@ -77,3 +79,24 @@ def test_data_that_process_0_cannot_prepare_stops_every_trainer_on_one_line(tmp_
     said = "the input is empty; give text files with some text"
     assert f"jaxdist train: error: {said}" in zero.stdout
     assert f"jaxdist train: error: process 0 failed preparing {empty}: {said}" in one.stdout
+
+
+def test_an_error_on_one_rank_alone_ends_the_launch_at_once_naming_that_rank(tmp_path):
+    """A data path missing on one node: rank 1 stopped on its one-line error but then waited in jax's
+    shutdown barrier for 5 minutes (rank 0 blocked in a collective for it), both aborted, and the launcher
+    blamed rank 0 (SIGABRT, status 134). Now rank 1 ends at once and is the rank named."""
+    text = tmp_path / "text.txt"
+    text.write_text("hello world " * 500)
+    train = f"{sys.executable} -m jaxdist.train.cli train model.flavor=tiny data.source=text run.steps=2"
+    train += f" run.progress=false run.out_dir={tmp_path / 'run'}"
+    per_rank = (
+        f'if [ "$JAXDIST_PROCESS_ID" = 1 ]; then P=/nonexistent.txt; else P={text}; fi; exec {train} data.path=$P'
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "jaxdist.train.cli", "launch", "-n", "2", "--cpu-devices", "2", "--"]
+    done = subprocess.run(
+        [*cmd, "bash", "-c", per_rank], env=env, cwd=REPO, capture_output=True, text=True, timeout=DEADLINE_S
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "[rank 1] jaxdist train: error: data file /nonexistent.txt does not exist" in done.stderr
+    assert "jaxdist launch: rank 1 exited with status 2" in done.stderr
