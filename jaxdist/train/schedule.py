@@ -16,10 +16,12 @@ from jaxdist.train.report import warn
 
 
 def make_schedule(o: OptimConfig, decay_steps: int) -> optax.Schedule:
+    if o.warmup_steps == 0:  # no warmup: the first step trains at optim.lr (optax's warmup starts at 0)
+        return optax.cosine_decay_schedule(init_value=o.lr, decay_steps=max(decay_steps, 1), alpha=o.min_lr_ratio)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=o.lr,
-        warmup_steps=max(1, o.warmup_steps),
+        warmup_steps=o.warmup_steps,
         decay_steps=max(decay_steps, o.warmup_steps + 1),
         end_value=o.lr * o.min_lr_ratio,
     )
