@@ -50,9 +50,9 @@ def drop_intermediates(model: nnx.Module, unread: str | None = None) -> None:
         names = ", ".join(repr(jax.tree_util.keystr(path, simple=True, separator="/")) for path, _ in variables)
         # (the same text for every block: Python shows it once, not once per layer)
         warnings.warn(
-            f"{unread} sows {names} (nnx.Intermediate), which no loss can read: the unit engine runs each "
-            "block apart from the loss and drops what it sows; return an auxiliary loss through the "
-            "block's activations, or train the model with DDP, whose loss sees the whole model",
+            f"{unread} sows {names} (nnx.Intermediate), which no loss can read: the unit engine runs the "
+            "embed and each block apart from the loss and drops what they sow; return an auxiliary loss "
+            "through the activations, or train the model with DDP, whose loss sees the whole model",
             stacklevel=2,
         )
 

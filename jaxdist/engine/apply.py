@@ -318,7 +318,7 @@ class UnitCode:
     # -- the units on their pieces ----------------------------------------------------------
 
     @model_sharding_dropped()
-    def outer_apply(self, ws: dict, stored, fn, bound: bool = True):
+    def outer_apply(self, ws: dict, stored, fn, bound: bool = True, unread: str | None = None):
         """`fn(model)` on the model holding the given outer pieces, zeros elsewhere (never read; XLA
         drops them) and the outer variables `stored`; returns `(out, the outer variables after)`.
         `bound=False` (tracing outside the mesh, for shapes and reads) takes whole parameters and
@@ -331,7 +331,8 @@ class UnitCode:
             return fn(self.bound(model) if bound else model)
 
         split = self.split
-        return split.outer_state.apply(split.graphdef, self.layout.unflatten(xs), stored, run, fixed=split.blocks_fixed)
+        unflat = self.layout.unflatten(xs)
+        return split.outer_state.apply(split.graphdef, unflat, stored, run, fixed=split.blocks_fixed, unread=unread)
 
     def embed(self, ws, batch, stored):
         """The embed on its pieces and the outer variables `stored`: `(x, the outer variables after)`
@@ -340,7 +341,7 @@ class UnitCode:
         def embed(model):
             return self.units.embed(model, batch)
 
-        x, after = self.outer_apply(self.summed(ws, "embed"), stored, embed)
+        x, after = self.outer_apply(self.summed(ws, "embed"), stored, embed, unread="the embed")
         if self.cfg.sequence_parallel:
             x = tp_math.split_sequence(x, self.cfg.tp_axis, self.cfg.backend, self.sequence_dim)
         return x, after

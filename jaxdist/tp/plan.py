@@ -103,6 +103,8 @@ class TPPlan:
         for layer in layers.values():
             if layer.kind != "column" or layer.placement.gather_output or layer.placement.loss_parallel:
                 continue
+            if layer.equation is not None and len(layer.equation.outputs()) > 1:
+                continue  # an axis of heads of its own (nnx.MultiHeadAttention's): heads come by shape
             path = tuple(layer.path.split("/"))
             for cut in range(len(path) - 1, 0, -1):
                 owner = by_path.get(tuple(int(p) if p.isdigit() else p for p in path[:cut]))
@@ -490,7 +492,8 @@ class ResolvedPlan:
                 elif layer.kind == "row":
                     for col in columns:
                         _check_chain(unit, col, layer)
-                        _warn_of_fused_parts(col, layer, warned)
+                    if len(columns) == 1:  # (several: e.g. a parallel block's q/k/v and MLP, not all read here)
+                        _warn_of_fused_parts(columns[0], layer, warned)
                     columns = []
 
 
@@ -516,9 +519,10 @@ def _warn_of_fused_parts(col: Layer, reader: Layer, warned: set) -> None:
     k = made // read
     warnings.warn(
         f"TPPlan: column layer {pattern} makes {k}x the features its row layer reads ({made} against {read}) "
-        f"but is split in {groups} group(s): if it fuses {k} parts one after another (q, k, v), each rank "
-        f"gets pieces of two parts; split each part: column(groups={k}) (leave it if its parts interleave "
-        "per head, as Megatron's and GPT-NeoX's do)",
+        f"but is split in {groups} group(s): if it fuses {k} equal parts one after another (q, k, v), each "
+        f"rank gets pieces of two parts; split each part: column(groups={k}) (parts of unequal sizes, as "
+        "grouped-query q/k/v, need layers of their own; leave it if its parts interleave per head, as "
+        "Megatron's and GPT-NeoX's do)",
         stacklevel=4,
     )
 

@@ -31,6 +31,7 @@ def _train(args) -> int:
     elif args.config:
         overrides.insert(0, args.config)
     from jaxdist.train.checkpoint import CheckpointError
+    from jaxdist.train.ending import end_after_error, in_multi_process_run
     from jaxdist.train.loop_guards import NonFiniteLoss
     from jaxdist.train.metrics import MetricsError
     from jaxdist.train.process_zero import ProcessZeroError
@@ -42,39 +43,18 @@ def _train(args) -> int:
         train(cfg)
     except (config_lib.ConfigError, ValueError, CheckpointError, MetricsError, ProcessZeroError) as e:
         print(f"jaxdist train: error: {e}", file=sys.stderr)
-        return _stop_alone(2)
+        return end_after_error(2)
     except NonFiniteLoss as e:  # the run trained, then diverged: not a usage error
         print(f"jaxdist train: error: {e}", file=sys.stderr)
         return 1  # every process saw the same loss: they all reach jax's shutdown together
     except KeyboardInterrupt:
         return 130
     except Exception:
-        if not _in_a_multi_process_run():
+        if not in_multi_process_run():
             raise
         traceback.print_exc()
-        return _stop_alone(1)
+        return end_after_error(1)
     return 0
-
-
-def _in_a_multi_process_run() -> bool:
-    if "jax" not in sys.modules:
-        return False
-    import jax
-
-    return jax.distributed.is_initialized() and jax.process_count() > 1
-
-
-def _stop_alone(code: int) -> int:
-    """`code`, or in a multi-process run the process ends here with it. An error found by one process
-    alone (a data path missing on one node) leaves the others waiting in a collective, so this one
-    would wait in jax's shutdown barrier at exit for its 5-minute timeout, then abort, the launcher
-    blaming whichever rank aborted first. Ended now, `jaxdist launch` names this rank and stops the
-    others at once (under SLURM they fail when the coordination service misses its heartbeat)."""
-    if not _in_a_multi_process_run():
-        return code
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -236,13 +236,13 @@ def _watch(procs, lock: threading.Lock, stop: _Signals) -> int | None:
     for rank, proc in enumerate(procs):
         threading.Thread(target=wait, args=(rank, proc), daemon=True).start()
     while stop.signum is None:
-        codes = [p.poll() for p in procs]
         with ended:
             failed = [(rank, c) for rank, c in order if c != 0]
+        codes = [p.poll() for p in procs]
         if failed:
             rank, code = failed[0]
             stalled = stopped_ranks(procs)
-            others = sum(c is None for c in codes)
+            others = sum(c is None for i, c in enumerate(codes) if i != rank)
             with lock:
                 if stalled:
                     names = ", ".join(f"rank {r} (pid {procs[r].pid})" for r in stalled)

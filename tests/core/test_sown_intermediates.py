@@ -14,6 +14,7 @@ from flax import nnx
 from support.meshes import cpu_mesh
 from support.models import Net, NetBlock, net_batches, net_embed, net_head_loss
 from support.reference import train_single_device
+from support.runs import train
 
 from jaxdist.ddp import DDP
 from jaxdist.engine.fsdp import FSDP, Units
@@ -55,20 +56,11 @@ def loss_ignoring_sown(m, batch):
     return net_head_loss(m, x, batch)
 
 
-def train(run, batches):
-    state, losses, norms = run.state, [], []
-    for batch in batches:
-        state, metrics = run.step(state, batch)
-        losses.append(float(metrics["loss"]))
-        norms.append(float(metrics["grad_norm"]))
-    return run.params(state), losses, norms
-
-
 def assert_as_reference(got, ref):
-    params, losses, norms = got
+    losses, params, norms, _ = got
     np.testing.assert_allclose(losses, ref.losses, rtol=5e-6)
     np.testing.assert_allclose(norms, ref.grad_norms, rtol=5e-6)
-    for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(params)), jax.tree.leaves(ref.params), strict=True):
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 

@@ -16,7 +16,16 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from support.models import GPT_CFG, MLP_PLAN, MLP_UNITS, ResMLP, gpt_batches, mlp_batches, mlp_loss
+from support.models import (
+    GPT_CFG,
+    MLP_PLAN,
+    MLP_UNITS,
+    ResMLP,
+    gpt_batches,
+    mlp_batches,
+    mlp_loss,
+    whole_model_loss,
+)
 from support.optimizers import adamw, path_optimizer
 from support.reference import LOSS_RTOL, assert_params_close, train_single_device
 from support.runs import engine_run
@@ -126,11 +135,7 @@ class ScaledNet(nnx.Module):
 SCALED_UNITS = Units(embed=lambda m, b: m.inp(b["x"]), head_loss=lambda m, x, b: jnp.mean((m.out(x) - b["y"]) ** 2))
 
 
-def scaled_loss(model, batch):
-    x = SCALED_UNITS.embed(model, batch)
-    for block in model.blocks:
-        x = block(x)
-    return SCALED_UNITS.head_loss(model, x, batch)
+scaled_loss = whole_model_loss(SCALED_UNITS)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "pipeline"])

@@ -6,13 +6,12 @@ single-device optax chain with SGD (scale-sensitive).
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from support.models import ODD_UNITS, OddMLP, odd_batches, odd_loss
+from support.models import MLP64, ODD_UNITS, UNITS64, OddMLP, loss64, odd_batches, odd_loss
 from support.reference import assert_same_training, train_single_device
 from support.runs import train
 
@@ -70,31 +69,6 @@ def test_the_clip_at_a_small_gradient_norm_is_optax_clip_by_global_norm(clipped_
 
 
 # -- float64: the clip at float64 precision --------------------------------------------------------
-
-
-class Block64(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.lin = nnx.Linear(6, 6, param_dtype=jnp.float64, rngs=rngs)
-
-    def __call__(self, x):
-        return x + jnp.tanh(self.lin(x))
-
-
-class MLP64(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.inp = nnx.Linear(4, 6, param_dtype=jnp.float64, rngs=rngs)
-        self.blocks = nnx.List([Block64(rngs) for _ in range(2)])
-        self.out = nnx.Linear(6, 2, param_dtype=jnp.float64, rngs=rngs)
-
-
-UNITS64 = Units(embed=lambda m, b: m.inp(b["x"]), head_loss=lambda m, x, b: jnp.mean((m.out(x) - b["y"]) ** 2))
-
-
-def loss64(model, batch):
-    x = UNITS64.embed(model, batch)
-    for block in model.blocks:
-        x = block(x)
-    return UNITS64.head_loss(model, x, batch)
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp"])

@@ -268,3 +268,39 @@ TIED_UNITS = Units(
 def tied_batches(n, seed=7):
     rng = np.random.default_rng(seed)
     return [{"x": rng.normal(size=(16, 6)).astype(np.float32)} for _ in range(n)]
+
+
+# -- units' loss on the whole model; a float64 model -------------------------------------------------
+
+
+def whole_model_loss(units: Units):
+    """What one device computes for `units`: the embed, every block in order, the head's loss."""
+
+    def loss(model, batch):
+        x = units.embed(model, batch)
+        for block in getattr(model, units.blocks):
+            x = block(x)
+        return units.head_loss(model, x, batch)
+
+    return loss
+
+
+class Block64(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(6, 6, param_dtype=jnp.float64, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.lin(x))
+
+
+class MLP64(nnx.Module):
+    """float64 parameters (under `jax.enable_x64(True)`): batches {"x": [n, 4], "y": [n, 2]}."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.inp = nnx.Linear(4, 6, param_dtype=jnp.float64, rngs=rngs)
+        self.blocks = nnx.List([Block64(rngs) for _ in range(2)])
+        self.out = nnx.Linear(6, 2, param_dtype=jnp.float64, rngs=rngs)
+
+
+UNITS64 = Units(embed=lambda m, b: m.inp(b["x"]), head_loss=lambda m, x, b: jnp.mean((m.out(x) - b["y"]) ** 2))
+loss64 = whole_model_loss(UNITS64)

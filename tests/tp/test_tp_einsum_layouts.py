@@ -421,11 +421,8 @@ class CountedModel(FusedModel):
         self.blocks = nnx.List([CountedAttention(rngs) for _ in range(2)])
 
 
-@pytest.mark.parametrize("divide", [{}, {"blocks/*": ("n_heads",)}], ids=["undivided", "divided"])
-def test_a_head_count_the_plan_does_not_divide_is_warned_of_once(divide):
-    """Without the divide each rank grouped its features into n_heads heads half as wide and trained on
-    (second loss 4.1588 against one device's 3.9982)."""
-    plan = tp_plan.TPPlan({"blocks/*/qkv": tp_plan.column(groups=3), "blocks/*/o": tp_plan.row()}, divide)
+def plan_warnings(plan: tp_plan.TPPlan) -> list[str]:
+    """The TPPlan warnings of preparing CountedModel under `plan` on dp2 x tp2."""
     units = Units(embed=lambda m, b: m.wte(b["tokens"][:, :-1]), head_loss=fused_head_loss)
     batch = {"tokens": np.zeros((BATCH, SEQ + 1), np.int32)}
     with warnings.catch_warnings(record=True) as caught:
@@ -433,7 +430,16 @@ def test_a_head_count_the_plan_does_not_divide_is_warned_of_once(divide):
         Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=plan).prepare(
             CountedModel(nnx.Rngs(0)), optax.sgd(0.1), units, batch
         )
-    said = [str(w.message) for w in caught if "TPPlan:" in str(w.message)]
+    return [str(w.message) for w in caught if "TPPlan:" in str(w.message)]
+
+
+@pytest.mark.parametrize("divide", [{}, {"blocks/*": ("n_heads",)}], ids=["undivided", "divided"])
+def test_a_head_count_the_plan_does_not_divide_is_warned_of_once(divide):
+    """Without the divide each rank grouped its features into n_heads heads half as wide and trained on
+    (second loss 4.1588 against one device's 3.9982)."""
+    said = plan_warnings(
+        tp_plan.TPPlan({"blocks/*/qkv": tp_plan.column(groups=3), "blocks/*/o": tp_plan.row()}, divide)
+    )
     if divide:
         assert said == []
     else:
@@ -444,14 +450,8 @@ def test_a_head_count_the_plan_does_not_divide_is_warned_of_once(divide):
 def test_a_fused_projection_split_without_its_groups_is_warned_of_once():
     """q, k and v one after another in one kernel, split contiguously: each rank held q and half of k and
     trained on. Parts interleaved per head (GPT-NeoX) split contiguously are right, so this only warns."""
-    plan = tp_plan.TPPlan({"blocks/*/qkv": tp_plan.column(), "blocks/*/o": tp_plan.row()}, {"blocks/*": ("n_heads",)})
-    units = Units(embed=lambda m, b: m.wte(b["tokens"][:, :-1]), head_loss=fused_head_loss)
-    batch = {"tokens": np.zeros((BATCH, SEQ + 1), np.int32)}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=plan).prepare(
-            CountedModel(nnx.Rngs(0)), optax.sgd(0.1), units, batch
-        )
-    said = [str(w.message) for w in caught if "TPPlan:" in str(w.message)]
+    said = plan_warnings(
+        tp_plan.TPPlan({"blocks/*/qkv": tp_plan.column(), "blocks/*/o": tp_plan.row()}, {"blocks/*": ("n_heads",)})
+    )
     assert len(said) == 1 and said[0].startswith("TPPlan: column layer blocks/*/qkv makes 3x the features"), said
     assert "column(groups=3)" in said[0]

@@ -37,6 +37,20 @@ except ProcessZeroError as e:
 """
 
 
+SHARED_ERROR = """
+import os, sys, time
+import jax
+from jaxdist.train.launch import initialize_args
+jax.distributed.initialize(**initialize_args(os.environ))
+from jaxdist.train.ending import end_after_error
+rank = jax.process_index()
+if rank == 1:
+    time.sleep(1.0)  # a slower exit path (closing checkpoints): process 0 must not end the job under it
+print(f"rank {rank}: error: the same for everyone", flush=True)
+end_after_error(2)
+"""
+
+
 def two_processes(cmd: list[str], tmp_path: Path) -> list[subprocess.CompletedProcess]:
     """`cmd` as processes 0 and 1 of one jax.distributed job on 1 CPU device each, both waited for."""
     with socket.socket() as s:
@@ -100,3 +114,12 @@ def test_an_error_on_one_rank_alone_ends_the_launch_at_once_naming_that_rank(tmp
     assert done.returncode == 2, done.stderr[-3000:]
     assert "[rank 1] jaxdist train: error: data file /nonexistent.txt does not exist" in done.stderr
     assert "jaxdist launch: rank 1 exited with status 2" in done.stderr
+
+
+def test_an_error_every_process_raises_is_printed_by_each_before_any_ends(tmp_path):
+    """Process 0 hosts the coordination service: ending at once, it aborted the others within ~70 ms,
+    before a slower one had printed its error. It now waits until they have ended too."""
+    zero, one = two_processes([sys.executable, "-c", SHARED_ERROR], tmp_path)
+    assert (zero.returncode, one.returncode) == (2, 2), zero.stdout + one.stdout
+    assert "rank 0: error: the same for everyone" in zero.stdout
+    assert "rank 1: error: the same for everyone" in one.stdout
