@@ -29,9 +29,9 @@ def _distributed():
     except ImportError:  # pragma: no cover (an internal module: without it, the normal exit)
         return None
     state = distributed.global_state
-    if state.client is None or (state.num_processes or 1) <= 1:
+    if getattr(state, "client", None) is None or (getattr(state, "num_processes", None) or 1) <= 1:
         return None
-    return state
+    return state if isinstance(getattr(state, "process_id", None), int) else None
 
 
 def in_multi_process_run() -> bool:
