@@ -291,6 +291,16 @@ def _normalizes_last_axis(norm) -> bool:
     return axes <= {-1, (-1,)}
 
 
+def _split_features(norm, got: int) -> bool:
+    """Whether a norm gets other features than it normalizes: any other number where it has a scale or
+    a bias of its own (flax would fail on them); without, 1/tp of them (a parameter-free norm's
+    `num_features` may be a placeholder)."""
+    if got == norm.num_features:
+        return False
+    owns = any(isinstance(getattr(norm, k, None), nnx.Param) for k in ("scale", "bias"))
+    return owns or got * norm._jaxdist_tp.size == norm.num_features
+
+
 @functools.cache
 def _checked_norm_class(cls: type) -> type:
     """`cls` whose call first checks that its input holds the features it normalizes: a norm over a
@@ -298,7 +308,7 @@ def _checked_norm_class(cls: type) -> type:
     numbers than one device's, or a shape error inside flax with a scale)."""
 
     def __call__(self, x, *args, **kwargs):
-        if hasattr(x, "shape") and x.ndim and x.shape[-1] != self.num_features:
+        if hasattr(x, "shape") and x.ndim and _split_features(self, x.shape[-1]):
             raise ValueError(
                 f"TPPlan: {self._jaxdist_path} ({cls.__name__}) normalizes {self.num_features} features but gets "
                 f"{x.shape[-1]} (tp={self._jaxdist_tp.size}): its input is one rank's features of a column layer; "

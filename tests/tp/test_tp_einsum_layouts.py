@@ -455,3 +455,24 @@ def test_a_fused_projection_split_without_its_groups_is_warned_of_once():
     )
     assert len(said) == 1 and said[0].startswith("TPPlan: column layer blocks/*/qkv makes 3x the features"), said
     assert "column(groups=3)" in said[0]
+
+
+class PlaceholderNormMLP(NormedMLP):
+    """A parameter-free norm whose num_features is a placeholder, over whole features: no TP error."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        super().__init__(rngs, use_scale=False)
+        self.pre = nnx.LayerNorm(1, use_scale=False, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(self.pre(x))))
+
+
+def test_a_parameter_free_norm_with_a_placeholder_width_over_whole_features_is_accepted():
+    model = FusedModel(nnx.Rngs(0))
+    model.blocks = nnx.List([PlaceholderNormMLP(nnx.Rngs(i)) for i in range(2)])
+    plan = tp_plan.TPPlan({"blocks/*/up": tp_plan.column(), "blocks/*/down": tp_plan.row()})
+    units = Units(embed=lambda m, b: m.wte(b["tokens"][:, :-1]), head_loss=fused_head_loss)
+    batch = {"tokens": np.zeros((BATCH, SEQ + 1), np.int32)}
+    run = Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=plan).prepare(model, optax.sgd(0.1), units, batch)
+    assert np.isfinite(float(run.step(run.state, batch)[1]["loss"]))
