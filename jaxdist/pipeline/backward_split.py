@@ -48,7 +48,10 @@ class SplitBackward:
             data.update((v, reads) for v in eqn.outvars)
         dw_outs, dx_outs = jaxpr.outvars[: -self.n_dx], jaxpr.outvars[-self.n_dx :]
         for_b, for_w = _needed(jaxpr, dx_outs), _needed(jaxpr, dw_outs)
-        for_b |= {i for i, eqn in enumerate(jaxpr.eqns) if eqn.effects}  # never dropped, run once
+        # an op with effects (a collective) is never dropped and runs once, in B, with what it reads (a
+        # tensor-parallel gradient sum over tp reads a value W alone would otherwise compute)
+        effectful = [i for i, eqn in enumerate(jaxpr.eqns) if eqn.effects]
+        for_b |= set(effectful) | _needed(jaxpr, [v for i in effectful for v in jaxpr.eqns[i].invars])
         self.b_eqns = sorted(for_b)
         self.w_eqns = sorted(i for i in for_w if i not in for_b or not any(data[v] for v in jaxpr.eqns[i].outvars))
         in_w = {v for i in self.w_eqns for v in jaxpr.eqns[i].outvars}

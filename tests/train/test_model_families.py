@@ -126,3 +126,16 @@ def test_settings_the_family_cannot_take_are_config_errors(overrides, message):
 def test_layouts_that_cannot_split_the_model_are_refused_before_compiling(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         trainer.train(cfg(tmp_path / "run", *overrides))
+
+
+def test_zero_bubble_pipeline_with_tp_trains_q_k_norm_models_as_1f1b(tmp_path):
+    """Llama's tiny flavor has q/k norms, whose gradients are summed over tp by a collective: zb-h1's
+    split backward ran that collective in B without the value it reads, which only W computed
+    (KeyError in backward_split); Gemma's every flavor has them too."""
+    layout = ["model.family=llama", "model.n_layers=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.tp=2"]
+    losses = {}
+    for schedule in ("1f1b", "zb-h1"):
+        out = tmp_path / schedule
+        trainer.train(cfg(out, *layout, f"parallel.schedule={schedule}", "run.sample_tokens=0", "run.eval_every=0"))
+        losses[schedule] = [row["loss"] for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    np.testing.assert_allclose(losses["zb-h1"], losses["1f1b"], rtol=1e-6)
