@@ -111,10 +111,10 @@ class TPPlan:
                 if owner is None:
                     continue
                 divided = self.divided(path[:cut])
+                # one warning per rule the fix would be: blocks/*/attn, not one per layer
+                where = "/".join("*" if p.isdigit() else p for p in path[:cut])
                 for attr, value in vars(owner).items():
                     counts = isinstance(value, int) and not isinstance(value, bool) and _counts_heads(attr)
-                    # one warning per rule the fix would be: blocks/*/attn, not one per layer
-                    where = "/".join("*" if p.isdigit() else p for p in path[:cut])
                     if counts and attr not in divided and value % size == 0 and (where, attr) not in warned:
                         warned.add((where, attr))
                         warnings.warn(
