@@ -17,6 +17,9 @@ import sys
 import time
 
 PEERS_S = 10.0  # how long process 0 waits for the others to end (they are blocked if it failed alone)
+# after the others have said so: a process between saying it ends and ending is still aborted by the
+# service's end (seen under load: status -6 for a process that had said 2)
+GRACE_S = 1.0
 
 
 def _distributed():
@@ -55,6 +58,7 @@ def end_after_error(code: int) -> int:
                 if left_ms <= 0:
                     break
                 client.blocking_key_value_get(f"jaxdist/ended/{peer}", left_ms)
+            time.sleep(max(0.0, min(GRACE_S, deadline - time.monotonic())))
     except Exception:  # noqa: BLE001  (a peer that never says so, or a service already gone: end anyway)
         pass
     os._exit(code)
