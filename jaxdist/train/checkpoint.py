@@ -55,7 +55,7 @@ from jaxdist.train.arrays_handler import ArraysHandler, ArraysRestore, ArraysSav
 from jaxdist.train.config import ConfigError
 from jaxdist.train.host_copy import start_host_copy, wait_for_host_copy
 from jaxdist.train.orbax_logs import DropOrbaxLogs
-from jaxdist.train.process_zero import on_process_zero
+from jaxdist.train.process_zero import ProcessZeroError, on_process_zero
 from jaxdist.train.report import disk_full, first_line, warn, write_problem
 
 T = TypeVar("T")
@@ -345,22 +345,17 @@ class Checkpoints:
         it alone in `_set_aside`'s barrier, and N processes would read every file N times)."""
         if step in self._verified:  # the same on every process: each took process 0's verdict
             return None
-        reason = None
-        if jax.process_index() == 0:
-            try:
-                checksums.verify(self.directory / str(step))
-            except checksums.Unverifiable as e:
-                reason, self._unverified[step] = first_line(e), e.name
-            except Exception as e:
-                reason = first_line(e)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            failed = bool(multihost_utils.broadcast_one_to_all(np.int32(reason is not None)))
-            reason = (reason or "its files do not match their checksums (checked on process 0)") if failed else None
-        if reason is None:
-            self._verified.add(step)
-        return reason
+        try:
+            on_process_zero(lambda: checksums.verify(self.directory / str(step)), f"verifying checkpoint {step}")
+        except checksums.Unverifiable as e:  # process 0's own
+            self._unverified[step] = e.name
+            return first_line(e)
+        except ProcessZeroError as e:  # another process's word of process 0's verdict
+            return str(e)
+        except Exception as e:
+            return first_line(e)
+        self._verified.add(step)
+        return None
 
     def _set_aside(self, step: int, reason: str) -> None:
         """Move checkpoint `step` into `unreadable_dir` (never over one set aside before: nothing is deleted)."""

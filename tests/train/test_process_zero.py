@@ -13,6 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+from support.trainer_runs import BASE as TRAIN_BASE
+from support.trainer_runs import rows, truncate_checkpoint
+
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 120  # two processes start in ~10 s on a loaded CPU; the hang this guards against took 300 s
 
@@ -123,3 +128,26 @@ def test_an_error_every_process_raises_is_printed_by_each_before_any_ends(tmp_pa
     assert (zero.returncode, one.returncode) == (2, 2), zero.stdout + one.stdout
     assert "rank 0: error: the same for everyone" in zero.stdout
     assert "rank 1: error: the same for everyone" in one.stdout
+
+
+# two trainings of 2 processes (~1 min): with the slow tests, beside the trainer's other multi-process runs
+@pytest.mark.slow
+def test_a_damaged_checkpoint_is_set_aside_by_every_process_and_the_run_resumes_from_the_one_before(tmp_path):
+    """Process 0 verifies the checksums for all, says why and moves the checkpoint aside, and every process
+    resumes from the previous one: steps 3 and 4 then train again as they did the first time."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jaxdist.train.cli", "train", *TRAIN_BASE, "run.steps=4", "run.checkpoint_every=2"]
+    cmd.append(f"run.out_dir={run}")
+    first = two_processes(cmd, tmp_path)
+    assert [done.returncode for done in first] == [0, 0], first[0].stdout[-3000:] + first[1].stdout[-3000:]
+    losses = {row["step"]: row["loss"] for row in rows(run)}
+    truncate_checkpoint(run / "checkpoints" / "4")
+
+    again = two_processes(cmd, tmp_path)
+    assert [done.returncode for done in again] == [0, 0], again[0].stdout[-3000:] + again[1].stdout[-3000:]
+    said = f"checkpoint {run / 'checkpoints' / '4'} is unreadable (arrays/"  # process 0 speaks for all
+    assert said in again[0].stdout and "moved to" in again[0].stdout, again[0].stdout[-3000:]
+    assert (run / "checkpoints.unreadable" / "4").is_dir()
+    assert sorted(os.listdir(run / "checkpoints"), key=int) == ["2", "4"]
+    retrained = {row["step"]: row["loss"] for row in rows(run)}  # the last row of each step
+    np.testing.assert_allclose([retrained[s] for s in (3, 4)], [losses[s] for s in (3, 4)], rtol=1e-6)
