@@ -241,6 +241,22 @@ def _host_value(x) -> np.ndarray:
     return np.asarray(x)
 
 
+# the short names people also write (torch's spellings)
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def _storage_dtype(dtype) -> np.dtype:
+    """The dtype tensors are written in: float32, bfloat16 or float16 (or an alias of one)."""
+    choose = "choose float32, bfloat16 or float16"
+    try:
+        resolved = np.dtype(DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+    except TypeError:
+        raise HFCheckpointError(f"cannot store tensors as {dtype!r}: not a dtype; {choose}") from None
+    if resolved.name not in SAFETENSORS_NAMES:
+        raise HFCheckpointError(f"cannot store tensors as {resolved.name}; {choose}")
+    return resolved
+
+
 def _header(group: list[Tensor], dtype: np.dtype) -> bytes:
     """A safetensors header for `group` stored contiguously in order, padded to 8 bytes as the format asks."""
     entries, offset = {}, 0
@@ -297,9 +313,7 @@ def save(
     layout = tensors(family, cfg)
     flat = flat_paths(params)
     check_target(layout, flat)
-    dtype = np.dtype(dtype or next(iter(flat.values())).dtype)
-    if dtype.name not in SAFETENSORS_NAMES:
-        raise HFCheckpointError(f"cannot store tensors as {dtype.name}; choose float32, bfloat16 or float16")
+    dtype = _storage_dtype(dtype or next(iter(flat.values())).dtype)
     config = carry_keys(hf_config.write(family, cfg, hf_config.torch_dtype_name(dtype)), source_config)
     # tensors in order, files of at most shard_bytes (a larger tensor alone in its own)
     files = consecutive_runs(layout, [int(np.prod(t.shape)) * dtype.itemsize for t in layout], shard_bytes)

@@ -29,6 +29,18 @@ MODEL_TYPES = {
     "Gemma2ForCausalLM": "gemma2",
 }
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# transformers' defaults for the keys that change the math without changing any tensor's shape, where a
+# config.json leaves one out (a missing key that changes a shape is refused by the weights' shapes instead)
+TRANSFORMERS_DEFAULTS = {
+    "MistralForCausalLM": {"sliding_window": 4096},
+    "Gemma2ForCausalLM": {
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    },
+    "Gemma3ForCausalLM": {"query_pre_attn_scalar": 256, "sliding_window": 4096},
+}
 DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float64": "float64"}
 
 
@@ -65,6 +77,7 @@ def architecture(hf: dict) -> str:
 def read(hf: dict) -> tuple[str, dict[str, Any]]:
     """(family, config keyword arguments) of a parsed config.json; the dtypes are left to the caller."""
     arch = architecture(hf)
+    hf = {**TRANSFORMERS_DEFAULTS.get(arch, {}), **hf}
     return ("llama", _llama(hf, arch)) if arch in LLAMA_ARCHITECTURES else ("gemma", _gemma(hf, arch))
 
 

@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         "--shard-size", default="5GB", help="hf: the most bytes per safetensors file (e.g. 5GB, 500MB; default 5GB)"
     )
     ex.add_argument(
-        "--dtype", default=None, help="hf: store the tensors as float32, bfloat16 or float16 (default: as trained)"
+        "--dtype",
+        default=None,
+        help="hf: store the tensors as float32, bfloat16 or float16 (or fp32, bf16, fp16; default: as trained)",
     )
     pl = sub.add_parser(
         "plot", help="draw the loss, throughput, learning rate and gradient norm curves of a run to RUN_DIR/curves.png"

@@ -20,7 +20,7 @@ from flax import nnx
 from jaxdist.train.checkpoint import CheckpointError, Checkpoints
 from jaxdist.train.model_record import PLATFORM_KEYS, model_record
 from jaxdist.train.orbax_logs import DropOrbaxLogs
-from jaxdist.train.report import disk_full, write_problem
+from jaxdist.train.report import disk_full, warn, write_problem
 
 MODEL_FILE = "jaxdist_model.json"
 
@@ -161,6 +161,7 @@ def export_hf(
             "--format hf exports Llama- and Gemma-style runs (export it without --format)"
         )
     cfg = families.from_record(record)
+    _warn_if_source_is_gone(meta, out)
     try:
         hf.save(
             out,
@@ -193,12 +194,29 @@ def _spread_over_devices(shape: tuple[int, ...]) -> jax.sharding.Sharding:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
+def _hf_source(meta: dict) -> Path | None:
+    """The directory of the run's run.init_from=hf:DIR, None for a run that did not start from one (runs
+    before 2026-12-05 kept DIR as given: relative to the directory the run was started in)."""
+    init_from = ((meta.get("config") or {}).get("run") or {}).get("init_from", "")
+    return Path(init_from[3:]).expanduser() if init_from.startswith("hf:") else None
+
+
+def _warn_if_source_is_gone(meta: dict, out: Path) -> None:
+    source = _hf_source(meta)
+    if source is not None and not source.is_dir():
+        warn(
+            f"the run started from hf:{source}, which is not there (from {Path.cwd()}): its special token ids, "
+            f"max_position_embeddings and tokenizer companions are not carried into {out}; export from the "
+            "directory the run was started in, or where DIR is"
+        )
+
+
 def _source_config(meta: dict) -> dict | None:
     """The config.json of the run.init_from=hf:DIR the run fine-tuned, if that directory is still there."""
     from jaxdist.models import hf_config
 
-    init_from = ((meta.get("config") or {}).get("run") or {}).get("init_from", "")
-    path = Path(init_from[3:]) / hf_config.CONFIG_FILE if init_from.startswith("hf:") else None
+    source = _hf_source(meta)
+    path = None if source is None else source / hf_config.CONFIG_FILE
     if path is None or not path.is_file():
         return None
     try:
@@ -214,9 +232,9 @@ def _tokenizer_files(meta: dict) -> dict[str, Path]:
     from jaxdist.train.data.tokenize import TOKENIZER_FILE
 
     files: dict[str, Path] = {}
-    init_from = ((meta.get("config") or {}).get("run") or {}).get("init_from", "")
-    if init_from.startswith("hf:") and Path(init_from[3:]).is_dir():
-        files.update(hf.tokenizer_files(init_from[3:]))
+    source = _hf_source(meta)
+    if source is not None and source.is_dir():
+        files.update(hf.tokenizer_files(source))
     data_dir = (meta.get("data") or {}).get("dir")
     if data_dir and (Path(data_dir) / TOKENIZER_FILE).is_file():
         files[TOKENIZER_FILE] = Path(data_dir) / TOKENIZER_FILE

@@ -44,6 +44,15 @@ def directory(init_from: str) -> Path | None:
     return Path(init_from[len(PREFIX) :]).expanduser() if init_from.startswith(PREFIX) else None
 
 
+def make_absolute(cfg: TrainConfig) -> None:
+    """run.init_from as an absolute path: the run's checkpoints keep it, and `jaxdist export` and `jaxdist
+    sample` read DIR's config.json and tokenizer files from it, from whatever working directory."""
+    value = cfg.run.init_from
+    if value:
+        prefix = PREFIX if value.startswith(PREFIX) else ""
+        cfg.run.init_from = prefix + str(Path(value[len(prefix) :]).expanduser().absolute())
+
+
 def model_of(cfg: TrainConfig) -> hf.HFModel:
     """The model config.json describes, with the run's training length and compute dtype."""
     where = directory(cfg.run.init_from)

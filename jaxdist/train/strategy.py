@@ -90,7 +90,8 @@ def parallelize(cfg: TrainConfig, mesh, model, optimizer, batch):
         # the decoders' packed batches carry positions and document ids of T + 1 tokens, a layout the
         # trainer does not yet cut for cp (jaxdist.engine.Parallel(cp_axis=...) takes such models directly)
         raise ConfigError(
-            f"parallel.cp > 1 trains model.family=gpt in the trainer; set parallel.cp=1 for {cfg.model.family}"
+            f"parallel.cp > 1 trains model.family=gpt in the trainer; set parallel.cp=1 for "
+            f"{families.family_of(model).name}"  # the model's own (a run.init_from=hf:DIR leaves model.family unset)
         )
     if p.cp > 1 and model.cfg.seq_len % (2 * p.cp):
         raise ConfigError(

@@ -140,6 +140,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     would), saving a checkpoint: used to test resuming.
     """
     validate(cfg)
+    hf_init.make_absolute(cfg)
     hf_init.use_tokenizer(cfg)  # run.init_from=hf:DIR: its tokenizer.json tokenizes text data
     init_distributed()
     devices = jax.devices()

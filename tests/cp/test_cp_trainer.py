@@ -62,3 +62,19 @@ def test_a_checkpoint_saved_under_cp_resumes_without_it_and_back(tmp_path):
     middle = run(tmp_path, "moved", "run.steps=4", stop_after=1)  # resumed without cp, saved at step 3
     last = run(tmp_path, "moved", "run.steps=4", "parallel.cp=2")  # resumed with cp=2 x dp=2 x tp=2
     np.testing.assert_allclose(first + middle + last, whole, rtol=1e-5)
+
+
+def test_cp_on_a_model_started_from_a_hugging_face_directory_is_refused_naming_its_family(tmp_path):
+    """model.family stays unset (the default, gpt) when config.json gives it: the refusal names the model's."""
+    from support import hf_configs, hf_reference
+
+    start = hf_reference.write_checkpoint(
+        tmp_path / "llama", hf_configs.LLAMA, hf_reference.random_weights(hf_configs.LLAMA)
+    )
+    cfg = config_lib.load(
+        None,
+        ["parallel.cp=2", f"run.init_from=hf:{start}", "data.source=synthetic", "model.seq_len=16"]
+        + [f"run.out_dir={tmp_path / 'run'}", "run.progress=false"],
+    )
+    with pytest.raises(ConfigError, match="set parallel.cp=1 for llama$"):
+        train(cfg)

@@ -288,6 +288,27 @@ def test_saving_onto_an_existing_directory_is_refused(tmp_path, checkpoints):
         hf.save(path, params, model.family, model.config)
 
 
+@pytest.mark.parametrize(("dtype", "stored"), [("bf16", "BF16"), ("fp16", "F16"), ("float32", "F32")])
+def test_a_storage_dtype_may_be_given_by_its_short_name(tmp_path, checkpoints, dtype, stored):
+    path, cfg, _ = checkpoints["llama", 1]
+    model = hf_model(cfg)
+    out = hf.save(
+        tmp_path / "out", hf.load_params(path, model, target(model, one_device)), "llama", model.config, dtype=dtype
+    )
+    with safe_open(out / hf.SINGLE_FILE, "numpy") as f:
+        assert f.get_slice("model.norm.weight").get_dtype() == stored
+
+
+@pytest.mark.parametrize(("dtype", "message"), [("bf17", "'bf17': not a dtype"), ("int8", "as int8")])
+def test_a_storage_dtype_that_is_no_float_is_refused_on_one_line(tmp_path, checkpoints, dtype, message):
+    path, cfg, _ = checkpoints["llama", 1]
+    model = hf_model(cfg)
+    params = hf.load_params(path, model, target(model, one_device))
+    with pytest.raises(hf.HFCheckpointError, match=f"{message}; choose float32, bfloat16 or float16$"):
+        hf.save(tmp_path / "out", params, "llama", model.config, dtype=dtype)
+    assert not (tmp_path / "out").exists()
+
+
 def test_keys_jaxdist_does_not_model_come_from_the_source_config_of_the_same_architecture():
     from jaxdist.models import LlamaConfig, hf_config
 

@@ -66,6 +66,29 @@ def test_gemma3_layer_types_and_per_kind_rope_read_as_the_pattern_keys():
 
 
 @pytest.mark.parametrize(
+    ("name", "key", "field", "default"),
+    [
+        ("gemma3", "query_pre_attn_scalar", "query_pre_attn_scalar", 256),
+        ("gemma2", "query_pre_attn_scalar", "query_pre_attn_scalar", 256),
+        ("gemma2", "attn_logit_softcapping", "attn_softcap", 50.0),
+        ("gemma2", "final_logit_softcapping", "final_softcap", 30.0),
+        ("gemma3", "sliding_window", "sliding_window", 4096),
+        ("mistral", "sliding_window", "sliding_window", 4096),
+    ],
+)
+def test_a_missing_key_that_changes_no_shape_reads_as_transformers_default(name, key, field, default):
+    """A hand-written or trimmed config.json: what transformers computes with it (Gemma's query scale is
+    not head_dim**-0.5, Gemma 2 soft-caps, Mistral has a window)."""
+    assert hf_config.read(changed(hf_configs.ALL[name], **{key: None}))[1][field] == default
+
+
+def test_a_key_set_to_null_keeps_its_meaning():
+    assert hf_config.read({**hf_configs.MISTRAL, "sliding_window": None})[1]["sliding_window"] is None
+    kw = hf_config.read({**hf_configs.GEMMA2, "attn_logit_softcapping": None, "final_logit_softcapping": None})[1]
+    assert (kw["attn_softcap"], kw["final_softcap"]) == (None, None)
+
+
+@pytest.mark.parametrize(
     ("cfg", "message"),
     [
         (changed(hf_configs.LLAMA, architectures=["GPT2LMHeadModel"]), "unsupported architecture ['GPT2LMHeadModel']"),

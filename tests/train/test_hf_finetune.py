@@ -123,6 +123,23 @@ def test_a_first_step_of_learning_rate_0_exports_the_weights_it_started_from(pag
     assert index["tokenizer_source"] == str(start / "tokenizer.json")  # data.source=text took the model's tokenizer
 
 
+def test_an_export_from_another_directory_carries_what_the_relative_hf_directory_gives(page, tmp_path, monkeypatch):
+    """The page trains from run.init_from=hf:tiny-qwen3, relative to its directory: the run keeps it absolute, so
+    an export from elsewhere still carries the source's max_position_embeddings (128, the run's is 64)."""
+    monkeypatch.chdir(tmp_path)
+    export_hf(page / "runs" / "qwen3-ft", tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["max_position_embeddings"] == 128
+
+
+def test_an_export_whose_hf_directory_is_gone_says_what_it_cannot_carry(tmp_path, capsys):
+    from jaxdist.train.export import _warn_if_source_is_gone
+
+    meta = {"config": {"run": {"init_from": "hf:tiny-qwen3"}}}  # a run of before 2026-12-05, elsewhere
+    _warn_if_source_is_gone(meta, tmp_path / "out")
+    said = capsys.readouterr().err
+    assert "the run started from hf:tiny-qwen3, which is not there" in said and "max_position_embeddings" in said
+
+
 # with the slow tests: the fast run round-trips a Hugging Face checkpoint through training in the fine-tuning
 # page's test above, and trains a Gemma through the trainer in tests/train/test_model_families.py
 @pytest.mark.slow
