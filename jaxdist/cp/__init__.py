@@ -7,8 +7,15 @@ from the global positions of the local queries and of the gathered keys. The uni
 (`jaxdist.engine.Parallel(cp_axis=...)`) applies both inside its per-device program.
 """
 
-from jaxdist.cp.attention import AttentionProbe, attention_over, check_model, probe_attention
-from jaxdist.cp.batch import POSITIONS, local_batch, local_batch_avals, sequence_length
+from jaxdist.cp.attention import (
+    AttentionProbe,
+    attention_over,
+    calls_so_far,
+    check_blocks,
+    check_model,
+    probe_attention,
+)
+from jaxdist.cp.batch import POSITIONS, check_step_batch, local_batch, local_batch_avals, sequence_dims, sequence_length
 from jaxdist.cp.layout import attention_pairs, chunk_len, chunks_of, gathered_indices, local_indices
 
 __all__ = [
@@ -16,7 +23,10 @@ __all__ = [
     "AttentionProbe",
     "attention_over",
     "attention_pairs",
+    "calls_so_far",
+    "check_blocks",
     "check_model",
+    "check_step_batch",
     "chunk_len",
     "chunks_of",
     "gathered_indices",
@@ -24,5 +34,6 @@ __all__ = [
     "local_batch_avals",
     "local_indices",
     "probe_attention",
+    "sequence_dims",
     "sequence_length",
 ]

@@ -89,3 +89,23 @@ def local_batch_avals(batch, cp: int, length: int, whole: tuple[str, ...], who: 
             "jaxdist.models.gpt.next_token_batch)"
         )
     return out
+
+
+def sequence_dims(batch) -> dict[str, int]:
+    """Dimension 1 of each batch array that has one, by its path."""
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    return {jax.tree_util.keystr(path): x.shape[1] for path, x in leaves if len(getattr(x, "shape", ())) >= 2}
+
+
+def check_step_batch(batch, prepared: dict[str, int], length: int, who: str) -> None:
+    """Refuse a step's batch whose arrays have another dimension 1 than `prepare`'s example (`prepared`,
+    its `sequence_dims`): which arrays cp cuts, and into what, was decided for that sequence length; an
+    array of another length would pass uncut (the attention seeing tokens twice) or fail on shapes."""
+    for path, dim in sequence_dims(batch).items():
+        if path in prepared and dim != prepared[path]:
+            raise ValueError(
+                f"{who}: under context parallelism the sequence length is fixed at prepare ({length} tokens, cut "
+                f"into chunks per cp rank), but this step's batch{path} has dimension 1 of {dim} where prepare's "
+                f"example had {prepared[path]}; give every step batches of prepare's length (pad shorter ones), "
+                "or prepare another run for this length"
+            )

@@ -127,6 +127,7 @@ class UnitCode:
         activations' aval on one cp rank."""
         cfg, split, units, who = self.cfg, self.split, self.units, type(self.cfg).__name__
         self.cp_length = cp.sequence_length(self.local_batch, x_whole.shape, who)
+        self.cp_batch_dims = cp.sequence_dims(self.local_batch)  # each step's batch must have them too
         self.local_batch = cp.local_batch_avals(self.local_batch, cfg.cp, self.cp_length, cfg.cp_whole, who)
         x_aval = jax.eval_shape(self.embed_shape, self.layout.avals(outer, whole=True), self.local_batch)
         if x_aval.shape[1] != 2 * cp.chunk_len(cfg.cp, self.cp_length):
@@ -136,18 +137,23 @@ class UnitCode:
                 "length (for jaxdist's GPT: jaxdist.models.gpt.next_token_batch)"
             )
 
+        block_calls = []  # each block's attention calls in the probe trace
+
         @model_sharding_dropped()
         def run_model(params, batch):  # the model as on one device, as the plan's trace runs it
             model = nnx.merge(split.graphdef, params, split.rest)
             x = units.embed(model, batch)
             for i in range(1 if units.stacked else split.n_blocks):
                 block = split.first_layer if units.stacked else getattr(model, units.blocks)[i]
+                before = cp.calls_so_far()
                 x = call_block(i, block, x, batch, units.block_call)
+                block_calls.append(cp.calls_so_far() - before)
             units.head_loss(model, x, batch)
             return jnp.zeros(())
 
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.to_pure_dict(split.template))
         cp.check_model(run_model, shapes, self.local_batch, cfg.cp, self.cp_length, who)
+        cp.check_blocks(block_calls, cfg.cp, who)
         return x_aval
 
     # -- shapes and reads, as on one device -------------------------------------------------

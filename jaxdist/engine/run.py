@@ -159,10 +159,16 @@ class EngineParts:
         """The train step around the per-device program `local_grads` (`jaxdist.engine.step.train_step`),
         and that step jitted with the batch placed and checked (`PlacedStep`). Under cp the program sees its
         rank's chunks of the sequence and the model's attention the whole context (`per_cp_rank`)."""
+        check = self.cfg.local_batch
         if self.cfg.cp > 1:
             local_grads = per_cp_rank(self.cfg, self.code.cp_length, local_grads)
+            check = self._check_cp_batch
         step = train_step(self.cfg, self.layout, self.optimizer, self.state_shardings, local_grads, aux_specs)
-        return step, PlacedStep(step, self.layout.sharding(self.cfg.batch_spec), check=self.cfg.local_batch)
+        return step, PlacedStep(step, self.layout.sharding(self.cfg.batch_spec), check=check)
+
+    def _check_cp_batch(self, batch) -> None:
+        self.cfg.local_batch(batch)
+        cp.check_step_batch(batch, self.code.cp_batch_dims, self.code.cp_length, type(self.cfg).__name__)
 
     @functools.cached_property
     def replicated(self) -> Callable:

@@ -87,8 +87,8 @@ def parallelize(cfg: TrainConfig, mesh, model, optimizer, batch):
 
         nccl.init(mesh)
     if p.cp > 1 and not isinstance(model, GPT):
-        # the decoders' packed batches carry positions and document ids of T + 1 tokens, a layout the
-        # trainer does not yet cut for cp (jaxdist.engine.Parallel(cp_axis=...) takes such models directly)
+        # the decoders' batches are {"tokens": [B, T + 1]} and their embed takes tokens[:, :-1]: cp needs inputs
+        # and targets of one length (the GPT's next_token_batch), which jaxdist's Llama and Gemma do not read yet
         raise ConfigError(
             f"parallel.cp > 1 trains model.family=gpt in the trainer; set parallel.cp=1 for "
             f"{families.family_of(model).name}"  # the model's own (a run.init_from=hf:DIR leaves model.family unset)

@@ -11,7 +11,17 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from support.cp_models import DECODER_UNITS, Decoder, DecoderConfig, packed_batch
+from support.cp_models import (
+    DECODER_UNITS,
+    Decoder,
+    DecoderBlock,
+    DecoderConfig,
+    _heads,
+    packed_batch,
+    reference_run,
+    rope,
+    units_loss,
+)
 from support.meshes import cpu_mesh
 
 from jaxdist.engine.run import Parallel, Units
@@ -77,3 +87,59 @@ def test_a_sequence_that_does_not_cut_into_2cp_chunks_is_refused_at_prepare():
 def test_cp_whole_given_as_one_string_is_refused():
     with pytest.raises(ValueError, match=r"cp_whole must be a tuple of batch keys"):
         prepare(DECODER_UNITS, packed_batch(2, 8, 64, seed=0), cp_whole="segment_ids")
+
+
+def test_a_step_batch_of_another_sequence_length_than_prepares_is_refused():
+    """The cut was decided for prepare's length: a shorter batch passed uncut (its attention saw tokens twice:
+    silently wrong at half the length) or failed on shapes elsewhere."""
+    run = prepare(DECODER_UNITS, packed_batch(2, 8, 64, seed=0))
+    run.step(run.state, packed_batch(2, 8, 64, seed=1))  # prepare's length: fine
+    for length in (4, 6):
+        with pytest.raises(ValueError, match=rf"fixed at prepare \(8 tokens.*has dimension 1 of {length} where"):
+            run.step(run.state, packed_batch(2, length, 64, seed=1))
+
+
+class HalfHandWritten(nnx.Module):
+    """One block through jax.nn.dot_product_attention, the next with its attention written by hand."""
+
+    def __init__(self, rngs):
+        self.embedding = nnx.Embed(64, CFG.d_model, rngs=rngs)
+        self.blocks = nnx.List([DecoderBlock(CFG, rngs), nnx.Linear(CFG.d_model, CFG.d_model, rngs=rngs)])
+        self.norm = nnx.RMSNorm(CFG.d_model, rngs=rngs)
+        self.head = nnx.Linear(CFG.d_model, 64, use_bias=False, rngs=rngs)
+
+    @staticmethod
+    def block_call(block, x, batch):
+        if isinstance(block, DecoderBlock):
+            return DECODER_UNITS.block_call(block, x, batch)
+        return HandWrittenAttention.attend(block, x, batch)
+
+
+def test_a_block_without_the_attention_call_beside_blocks_with_it_is_refused():
+    units = dataclasses.replace(DECODER_UNITS, block_call=HalfHandWritten.block_call)
+    with pytest.raises(ValueError, match=r"block 1 never calls jax.nn.dot_product_attention \(block 0 does\)"):
+        prepare(units, packed_batch(2, 8, 64, seed=0), model=HalfHandWritten(nnx.Rngs(0)))
+
+
+def test_a_mask_of_fewer_dimensions_broadcasts_as_jax_reads_it():
+    """A [T, T] document mask (rows sharing one packing) trains as on one device; it was refused as not
+    spanning the sequence."""
+
+    def shared_layout(block, x, batch):
+        seg = batch["segment_ids"][0]  # [T]
+        h = block.norm1(x)
+        q = rope(_heads(block.q(h), block.n_heads), batch["positions"])
+        k = rope(_heads(block.k(h), block.n_kv_heads), batch["positions"])
+        v = _heads(block.v(h), block.n_kv_heads)
+        att = jax.nn.dot_product_attention(q, k, v, mask=seg[:, None] == seg[None, :], is_causal=True)
+        x = x + block.o(att.reshape(*att.shape[:-2], -1))
+        h = block.norm2(x)
+        return x + block.down(jax.nn.silu(block.gate(h)) * block.up(h))
+
+    one = packed_batch(2, 8, 64, seed=0)
+    batch = {k: np.broadcast_to(v[:1], v.shape).copy() for k, v in one.items()}  # one packing for every row
+    units = dataclasses.replace(DECODER_UNITS, block_call=shared_layout)
+    losses, norms, _ = reference_run(Decoder(CFG, nnx.Rngs(0)), optax.sgd(0.1), units_loss(units), [batch])
+    run = prepare(units, batch)
+    _, metrics = run.step(run.state, batch)
+    np.testing.assert_allclose([float(metrics["loss"]), float(metrics["grad_norm"])], [losses[0], norms[0]], rtol=1e-5)
