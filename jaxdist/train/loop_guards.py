@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
+import time
 
 import jax
 import numpy as np
 
 from jaxdist.train.checkpoint import Checkpoints
 from jaxdist.train.config import TrainConfig
+from jaxdist.train.ending import in_multi_process_run
 from jaxdist.train.step_watchdog import StopDeadline, stop_grace
+
+NUM_PROCESSES_ENV = "JAXDIST_NUM_PROCESSES"  # set for each worker by `jaxdist launch` (by hand under SLURM)
 
 
 def host_value(x) -> np.ndarray:
@@ -70,16 +75,20 @@ class NonFiniteSteps:
 class StopRequests:
     """SIGTERM (a scheduler's stop) and a first Ctrl-C ask the loop to stop at the next step boundary,
     where it saves: an interrupt then never lands inside a checkpoint save. A second one interrupts
-    at once."""
+    at once. In a multi-process run a process that cannot reach the boundary (blocked in a collective
+    for a peer that is gone) ends itself after a grace period (`StopDeadline`); a single process has no
+    peer to wait for (a step that hangs there is `run.step_timeout_s`'s)."""
 
     def __init__(self):
         self.requested = False
         self.previous = {}
         self.deadline = None
+        self.last_check = None
         if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.previous[sig] = signal.signal(sig, self._handle)
-            self.deadline = StopDeadline(stop_grace())  # a rank stuck in a collective never reaches the boundary
+            if _with_peers():
+                self.deadline = StopDeadline(stop_grace())
 
     def _handle(self, signum, frame):
         if self.requested:
@@ -88,7 +97,15 @@ class StopRequests:
         print("\njaxdist: stopping after this step (again to stop at once)", file=sys.stderr, flush=True)
 
     def check(self) -> None:
+        """At a step boundary: stop here if asked to. The time since the previous boundary (a step, with its
+        logging, evaluation or save) lengthens the grace period to match."""
+        now = time.monotonic()
+        if self.deadline is not None and self.last_check is not None:
+            self.deadline.allow(now - self.last_check)
+        self.last_check = now
         if self.requested:
+            if self.deadline is not None:
+                self.deadline.disarm()  # at the boundary: not stuck (the stop's save may take its time)
             raise KeyboardInterrupt
 
     def close(self) -> None:
@@ -96,3 +113,8 @@ class StopRequests:
             self.deadline.close()
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+def _with_peers() -> bool:
+    """Whether this process is one of several: a jax.distributed run, or a worker of `jaxdist launch`."""
+    return in_multi_process_run() or int(os.environ.get(NUM_PROCESSES_ENV) or 1) > 1

@@ -137,7 +137,9 @@ def timeout_from(configured: float) -> float:
 
 class StopDeadline:
     """After SIGTERM or SIGINT (which need Python handlers installed: the trainer's), end the process with
-    status 128 + the signal's number `grace_s` later unless it has ended. Install in the main thread.
+    status 128 + the signal's number unless it ends or `disarm`s first: `grace_s` later, or twice the
+    longest a step has taken (`allow`), whichever is longer, so that a long step is not taken for a stuck
+    one. Install in the main thread.
 
     Python's C-level handler writes each signal to the wakeup fd at once, also while the main thread is
     blocked in XLA; a thread reading it arms the deadline."""
@@ -146,11 +148,22 @@ class StopDeadline:
         if grace_s <= 0:
             raise ValueError(f"${STOP_GRACE_ENV} must be > 0 seconds, got {grace_s}")
         self.grace_s, self._exit = grace_s, exit_fn
+        self._longest_step_s = 0.0
+        self._cond = threading.Condition()
         self._reader, self._writer = socket.socketpair()
         self._writer.setblocking(False)  # a signal handler must never block
         self._previous = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
-        self._closed = threading.Event()
+        self._closed = False
         threading.Thread(target=self._watch, name="jaxdist-stop-deadline", daemon=True).start()
+
+    def allow(self, step_s: float) -> None:
+        """A step took `step_s` seconds: the deadline is at least twice the longest such."""
+        with self._cond:
+            self._longest_step_s = max(self._longest_step_s, step_s)
+            self._cond.notify()
+
+    def grace(self) -> float:
+        return max(self.grace_s, 2 * self._longest_step_s)
 
     def _watch(self) -> None:
         while True:
@@ -159,24 +172,35 @@ class StopDeadline:
             except OSError:
                 return
             stops = [s for s in got if s in (signal.SIGINT, signal.SIGTERM)]
-            if not got or self._closed.is_set():
+            if not got or self._closed:
                 return
             if stops:
                 break
-        if self._closed.wait(self.grace_s):  # the caller got past its stop: not stuck
-            return
+        armed = time.monotonic()
+        with self._cond:
+            while not self._closed and (left := armed + self.grace() - time.monotonic()) > 0:
+                self._cond.wait(left)
+            if self._closed:  # the caller got past its stop: not stuck
+                return
+            waited = self.grace()
         name = signal.Signals(stops[0]).name
         print(
-            f"jaxdist: still running {self.grace_s:g} s after {name} (stuck, e.g. in a collective waiting for "
+            f"jaxdist: still running {waited:g} s after {name} (stuck, e.g. in a collective waiting for "
             f"another process); ending the process (${STOP_GRACE_ENV} sets the grace period)",
             file=sys.stderr,
             flush=True,
         )
         self._exit(128 + stops[0])
 
+    def disarm(self) -> None:
+        """A deadline armed is off (the caller reached its stop); signals still arm none."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
     def close(self) -> None:
-        """No more signals are watched, and a deadline armed is off (the caller reached its stop)."""
-        self._closed.set()
+        """No more signals are watched, and a deadline armed is off."""
+        self.disarm()
         signal.set_wakeup_fd(self._previous)
         self._writer.close()
 
