@@ -139,16 +139,22 @@ def _tokenizer(spec: str, train_bpe: int, files: list[Path], cuts: list[int]):
     return tokenize.from_file(spec), str(Path(spec).absolute())
 
 
+def _sha256(f: Path) -> str:
+    digest = hashlib.sha256()
+    with f.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def source_record(files: Sequence[Path]) -> list[dict]:
     """What the output depends on in the inputs: path, size and SHA-256 of each."""
-    out = []
-    for f in files:
-        digest = hashlib.sha256()
-        with f.open("rb") as fh:
-            for block in iter(lambda fh=fh: fh.read(1 << 22), b""):
-                digest.update(block)
-        out.append({"path": str(f.absolute()), "bytes": f.stat().st_size, "sha256": digest.hexdigest()})
-    return out
+    return [{"path": str(f.absolute()), "bytes": f.stat().st_size, "sha256": _sha256(f)} for f in files]
+
+
+def tokenizer_sha256(spec: str, train_bpe: int) -> str | None:
+    """The SHA-256 of a tokenizer given as a file (its path alone would not see the file replaced)."""
+    return None if train_bpe or spec == "bytes" else _sha256(Path(spec))
 
 
 def prepare(
@@ -219,6 +225,7 @@ def prepare(
             "format": FORMAT,
             "tokenizer": tok.name,
             "tokenizer_source": tokenizer_source,
+            "tokenizer_sha256": tokenizer_sha256(tokenizer, train_bpe),
             "vocab_size": tok.vocab_size,
             "end_of_text": tok.end_of_text,
             "dtype": dtype.name,
@@ -308,7 +315,12 @@ def ensure_prepared(
     def contents(inputs):
         return [{k: v for k, v in f.items() if k != "path"} for f in inputs]
 
-    wanted = {"inputs": contents(source_record(files)), "tokenizer_source": source, "val_fraction": val_fraction}
+    wanted = {
+        "inputs": contents(source_record(files)),
+        "tokenizer_source": source,
+        "tokenizer_sha256": tokenizer_sha256(spec, train_bpe),  # the file replaced: prepared again
+        "val_fraction": val_fraction,
+    }
     index_path = out / INDEX
     if index_path.is_file():
         try:

@@ -41,7 +41,9 @@ def read_index(directory: str | Path) -> dict:
 
 
 # what index.json records about where things were (the inputs' paths, a tokenizer file's path), not what the data is
-_WHERE_KEYS = ("tokenizer_source",)
+# what the content id leaves out: where the tokenizer came from, and the SHA-256 of that file (the copy in the
+# directory, hashed below, is what the data holds; an id without it stays the id of data prepared before it)
+_WHERE_KEYS = ("tokenizer_source", "tokenizer_sha256")
 
 
 def content_id(directory: str | Path) -> str:

@@ -64,6 +64,25 @@ def test_text_prepared_on_the_fly_is_reused_after_the_text_file_moves(tmp_path, 
         prepare_lib.ensure_prepared([moved], tmp_path / "data", tokenizer="bytes", val_fraction=0.1, progress=False)
 
 
+def test_text_prepared_on_the_fly_is_prepared_again_when_its_tokenizer_file_is_replaced(tmp_path):
+    """The tokenizer file is known by its content: a new file at the same path (another vocabulary) was
+    silently ignored, the run training on the old tokenization."""
+    import json
+
+    from jaxdist.train.data import prepare as prepare_lib
+    from jaxdist.train.data.tokenize import train_bpe
+
+    text, tokenizer = CORPUS.read_text()[:20000], tmp_path / "tokenizer.json"
+    train_bpe([text], 300).save(tokenizer)
+    data = prepare_lib.ensure_prepared(
+        [CORPUS], tmp_path / "data", tokenizer=str(tokenizer), val_fraction=0.1, progress=False
+    )
+    assert json.loads((data / "index.json").read_text())["vocab_size"] == 300
+    train_bpe([text], 400).save(tokenizer)
+    prepare_lib.ensure_prepared([CORPUS], data, tokenizer=str(tokenizer), val_fraction=0.1, progress=False)
+    assert json.loads((data / "index.json").read_text())["vocab_size"] == 400
+
+
 @pytest.mark.parametrize(
     "setting, match",
     [
