@@ -249,21 +249,28 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             return None
         raise ConfigError(f"{where} cannot be none; give a {allowed[0].__name__}")
     for t in allowed:
+        # a command line's text as typed (a prompt's spaces matter), except where it reads as a number or flag
+        given = value.strip() if isinstance(value, str) and t is not str else value
         try:
             if t is bool:
-                if isinstance(value, bool):
-                    return value
-                if str(value).lower() in ("true", "1", "yes", "on"):
+                if isinstance(given, bool):
+                    return given
+                if str(given).lower() in ("true", "1", "yes", "on"):
                     return True
-                if str(value).lower() in ("false", "0", "no", "off"):
+                if str(given).lower() in ("false", "0", "no", "off"):
                     return False
                 raise ValueError
-            if t is int and isinstance(value, float) and not value.is_integer():
+            if isinstance(given, bool) or (t is str and isinstance(given, list | dict)):
+                raise ValueError  # TOML's true is no number (int(True) is 1), nor a list some text
+            if t is int and isinstance(given, float) and not given.is_integer():
                 raise ValueError
-            return t(value)
+            return t(given)
         except (TypeError, ValueError):
             continue
-    raise ConfigError(f"{where} must be a {' or '.join(t.__name__ for t in allowed)}, got {value!r}")
+    raise ConfigError(f"{where} must be {' or '.join(TYPE_NAMES.get(t, t.__name__) for t in allowed)}, got {value!r}")
+
+
+TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
 
 
 def apply(cfg: TrainConfig, section: str, key: str, value: Any) -> None:
@@ -300,7 +307,7 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConf
             raise ConfigError(f"override {item!r} must look like section.key=value, e.g. run.steps=100")
         name, value = item.split("=", 1)
         section, key = name.split(".", 1)
-        apply(cfg, section.strip(), key.strip(), value.strip())
+        apply(cfg, section.strip(), key.strip(), value)
     check_ranges(cfg)
     return cfg
 
@@ -332,6 +339,15 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("parallel.update_in_backward works with FSDP alone; set it to false with parallel.cp > 1")
     if cfg.parallel.per_rank_programs and cfg.parallel.pp < 2:
         raise ConfigError("parallel.per_rank_programs=true needs a pipeline; set parallel.pp >= 2 or turn it off")
+    if not str(cfg.run.out_dir).strip():  # `run.out_dir=$RUN` with RUN unset: the working directory, cleared
+        raise ConfigError("run.out_dir is empty; give the run's directory (run.out_dir=. for the working directory)")
+    o = cfg.optim
+    if o.decay_steps is not None and o.warmup_steps > 0 and o.decay_steps <= o.warmup_steps:
+        raise ConfigError(
+            f"optim.decay_steps={o.decay_steps} (the whole schedule, warmup included) is not longer than "
+            f"optim.warmup_steps={o.warmup_steps}: no decay would be left; set optim.decay_steps above "
+            f"{o.warmup_steps} or fewer warmup steps"
+        )
     if cfg.parallel.update_in_backward and cfg.optim.max_grad_norm > 0:
         # the strategy updates each unit before the global gradient norm exists, so clipping would be dropped
         raise ConfigError(

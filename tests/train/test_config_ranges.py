@@ -3,6 +3,7 @@ included) is a one-line error naming the key, the value and the range, and `jaxd
 
 import dataclasses
 import math
+import re
 import typing
 
 import pytest
@@ -78,6 +79,28 @@ def test_a_valid_override_replaces_a_bad_file_value(tmp_path):
     assert config_lib.load(path, ["optim.lr=0.01"]).optim.lr == 0.01
     with pytest.raises(ConfigError, match=r"^optim.lr must be > 0, got -1.0$"):
         config_lib.load(path)
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("[run]\nsteps = true", "run.steps must be an integer, got True"),
+        ("[optim]\nlr = true", "optim.lr must be a number, got True"),
+        ("[run]\ncheckpoint_every = false", "run.checkpoint_every must be an integer, got False"),
+        ("[data]\npath = ['a.txt', 'b.txt']", "data.path must be text, got ['a.txt', 'b.txt']"),
+    ],
+)
+def test_a_toml_value_of_another_type_is_refused_not_converted(tmp_path, toml, message):
+    """TOML's true read as 1 (run.checkpoint_every = false as 0: "only at the end", not -1: "none")."""
+    path = tmp_path / "c.toml"
+    path.write_text(toml + "\n")
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        config_lib.load(path)
+
+
+def test_a_command_line_value_keeps_its_spaces_where_they_are_text():
+    cfg = config_lib.load(None, ["run.sample_prompt= The river ", "run.steps= 7 ", "run.progress= false"])
+    assert (cfg.run.sample_prompt, cfg.run.steps, cfg.run.progress) == (" The river ", 7, False)
 
 
 def test_a_config_built_in_code_is_checked_by_validate():

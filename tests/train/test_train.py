@@ -74,7 +74,7 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
         (["model.layers=3"], "unknown config key 'model.layers'; valid keys in \\[model\\]: flavor, n_layers"),
         (["parallel.dp=3"], "does not multiply to the 8 devices; pick sizes whose product is 8"),
         (["data.batch_size=12"], "data.batch_size=12 is not divisible by the 8 data-parallel ranks"),
-        (["run.steps=ten"], "run.steps must be a int, got 'ten'"),
+        (["run.steps=ten"], "run.steps must be an integer, got 'ten'"),
         (["model.flavor=huge"], "unknown model.flavor 'huge'"),
     ],
 )

@@ -33,6 +33,11 @@ def cfg(tmp_path, *overrides):
         (["optim.accumulation_steps=0"], "optim.accumulation_steps must be >= 1, got 0"),
         (["model.seq_len=0"], "model.seq_len must be >= 1, got 0"),
         (["optim.decay_steps=0"], "optim.decay_steps must be >= 1, got 0"),
+        (
+            ["optim.warmup_steps=100", "optim.decay_steps=50"],
+            r"optim.decay_steps=50 \(the whole schedule, warmup included\) is not longer than optim.warmup_steps=100",
+        ),
+        (["run.out_dir="], "run.out_dir is empty; give the run's directory"),
         (["parallel.remat=sometimes"], "parallel.remat must be auto, true or false, got 'sometimes'"),
         (["parallel.comm_dtype=bfloat16"], "parallel.comm_dtype must be param or compute, got 'bfloat16'"),
         (["optim.mu_dtype=float16"], "optim.mu_dtype must be float32 or bfloat16, got 'float16'"),
