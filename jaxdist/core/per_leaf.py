@@ -43,29 +43,51 @@ def owners(opt_state, params, same_shape: bool = True) -> list[int | None]:
     return [owner(kp, x) for kp, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]]
 
 
-def check_per_leaf(optimizer: optax.GradientTransformation, params, who: str) -> None:
+def check_per_leaf(optimizer: optax.GradientTransformation, params, who: str, sliced=None) -> None:
     """Raise unless `optimizer.update` computes each parameter's update and state from that
-    parameter's gradient, value and state (and state no gradient reaches, like a count).
+    parameter's gradient, value and state (and state no gradient reaches, like a count), element by
+    element: the unit engine runs it on each device's shard of a parameter (and on one layer of
+    stacked ones), where a norm, a factored mean or a matmul over the whole parameter (LAMB's and
+    LARS's trust ratios, Adafactor, clip_by_block_rms, Muon) would see a piece of it.
 
     Args:
       optimizer: the transformation to check (traced on abstract values, nothing runs).
       params: the parameter tree (arrays or `jax.ShapeDtypeStruct`s).
       who: the caller, for the error message.
+      sliced: the same tree with stacked layers' leaves as one layer (the update's shapes there), if any:
+        an update whose steps depend on a parameter's shape (a mask by `ndim`) is refused.
     """
     state = jax.eval_shape(optimizer.init, params)
     own = owners(state, params)
     jaxpr = jax.make_jaxpr(lambda g, s, p: optimizer.update(g, s, p))(params, state, params)
+    paths = [kp for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    names = ["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in kp) for kp in paths]
     n = len(jax.tree.leaves(params))
     labels = [{k} for k in range(n)] + [{SHARED if o is None else o} for o in own] + [{k} for k in range(n)]
     deps = _dependencies(jaxpr.jaxpr, labels)
     updates, new_state = deps[:n], deps[n:]
-    paths = [kp for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    names = ["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in kp) for kp in paths]
     for k, d in enumerate(updates):
         _refuse_mixing(d - {k, SHARED}, f"the update of {names[k]}", names, who)
     for o, d in zip(own, new_state, strict=True):
         what = "shared optimizer state (e.g. a count)" if o is None else f"the optimizer state of {names[o]}"
         _refuse_mixing(d - ({SHARED} if o is None else {o, SHARED}), what, names, who)
+    n_in = len(jaxpr.jaxpr.invars)
+    if mixing := _first_mixing_op(jaxpr.jaxpr, [True] * n_in):
+        raise ValueError(
+            f"{who}: update_in_backward updates each device's shard of a parameter on its own, but the optimizer's "
+            f"update is not element by element ({mixing}: a norm, mean or matmul over the parameter, as in lamb, "
+            "lars, adafactor, clip_by_block_rms or muon); use an element-wise optimizer (adam, adamw, sgd, lion) "
+            "or update_in_backward=False"
+        )
+    if sliced is not None:
+        piece_state = jax.eval_shape(optimizer.init, sliced)
+        piece = jax.make_jaxpr(lambda g, s, p: optimizer.update(g, s, p))(sliced, piece_state, sliced)
+        if _steps(piece.jaxpr) != _steps(jaxpr.jaxpr):
+            raise ValueError(
+                f"{who}: update_in_backward updates stacked layers one layer at a time, but the optimizer's update "
+                "takes other steps for one layer than for the stacked parameter (e.g. a mask or label by ndim or "
+                "shape); decide by parameter path instead, or update_in_backward=False"
+            )
 
 
 def _refuse_mixing(others: set, what: str, names: list[str], who: str) -> None:
@@ -97,3 +119,48 @@ def _dependencies(jaxpr, in_labels: list[set]) -> list[set]:
             outs = [every] * len(eqn.outvars)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
+
+
+# primitives that compute each element of their output from the same element of their inputs
+ELEMENTWISE = frozenset(
+    """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type copy copy_p cos
+    cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite le lgamma log log1p
+    logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt select_n sign
+    sin sinh sqrt square stop_gradient sub tan tanh xor""".split()
+)
+
+
+def _first_mixing_op(jaxpr, from_leaf: list[bool]) -> str | None:
+    """The first equation that mixes elements of an array read from the inputs marked `from_leaf`
+    (a reduction, matmul, reshape ...), followed into calls; None if every such step is element-wise.
+    A scalar broadcast (a learning rate, a count) mixes nothing."""
+    env = dict(zip(jaxpr.invars, from_leaf, strict=True))
+
+    def marked(v):
+        return isinstance(v, jcore.Var) and env.get(v, False) and v.aval.shape != ()
+
+    for eqn in jaxpr.eqns:
+        ins = [marked(v) for v in eqn.invars]
+        inner = [p for p in eqn.params.values() if isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr))]
+        inner = [p.jaxpr if isinstance(p, jcore.ClosedJaxpr) else p for p in inner]
+        name = eqn.primitive.name
+        if len(inner) == 1 and len(inner[0].invars) == len(ins):
+            if found := _first_mixing_op(inner[0], ins):
+                return found
+        elif any(ins) and name not in ELEMENTWISE:
+            shapes = ", ".join(str(tuple(v.aval.shape)) for v in eqn.invars if marked(v))
+            return f"{name} of {shapes}"
+        for v in eqn.outvars:
+            env[v] = any(ins)
+    return None
+
+
+def _steps(jaxpr) -> list[str]:
+    """The primitives `jaxpr` runs, in order, calls followed (its steps, whatever the shapes)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        out.append(eqn.primitive.name)
+        for p in eqn.params.values():
+            if isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                out += _steps(p.jaxpr if isinstance(p, jcore.ClosedJaxpr) else p)
+    return out

@@ -138,7 +138,7 @@ class EngineParts:
             local_batch = cfg.local_batch(batch)
             code = UnitCode(cfg, mesh, split, layout, placements, block_leaves, local_batch)
             if cfg.update_in_backward:
-                check_per_leaf(optimizer, split.pure, "Parallel")
+                check_per_leaf(optimizer, split.pure, "Parallel", _one_layer(split.pure, stacked))
             state, state_shardings = layout.init_state(split.pure, optimizer, split.initial_model_state)
             canonical = CanonicalForm(layout, split, optimizer, state_shardings, "Parallel")
             return cls(
@@ -194,6 +194,15 @@ class EngineParts:
     def model(self, state: TrainState) -> nnx.Module:
         full, model_state = self.replicated(state.params, state.model_state)
         return nnx.merge(self.split.graphdef, self.as_params(full), self.split.rest_of(model_state))
+
+
+def _one_layer(pure: dict, stacked: str | None) -> dict | None:
+    """The parameters with the stacked layers' leaves as one layer's (what update_in_backward updates at a
+    time), None without stacked layers."""
+    if stacked is None:
+        return None
+    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), pure[stacked])
+    return {**pure, stacked: one}
 
 
 def per_cp_rank(cfg: Options, length: int, local_grads: Callable) -> Callable:

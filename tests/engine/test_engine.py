@@ -166,6 +166,35 @@ def test_update_in_backward_refuses_what_needs_every_gradient_first():
         Parallel(mesh, update_in_backward=True).prepare(ResMLP(nnx.Rngs(0)), clip, MLP_UNITS, mlp_batches(1)[0])
 
 
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        optax.lamb(1e-3),  # a trust ratio: the norm of the whole parameter and its update
+        optax.lars(1e-3),
+        optax.chain(optax.clip_by_block_rms(1.0), optax.sgd(0.1)),
+    ],
+    ids=["lamb", "lars", "block_rms"],
+)
+def test_update_in_backward_refuses_an_update_that_reduces_over_a_parameter(optimizer):
+    """Updated on each device's shard, these saw a piece of each parameter: 4.3e-3 off one device after 3
+    steps (LAMB), silently."""
+    mesh = cpu_mesh((8,), ("fsdp",))
+    with pytest.raises(ValueError, match=r"not element by element \(reduce_sum of"):
+        Parallel(mesh, update_in_backward=True).prepare(ResMLP(nnx.Rngs(0)), optimizer, MLP_UNITS, mlp_batches(1)[0])
+
+
+def test_update_in_backward_refuses_an_update_decided_by_the_shape_of_stacked_layers():
+    """A stacked layer's update runs on one layer: a mask by ndim saw a matrix where one device sees a stack."""
+    from support import transformer
+
+    by_ndim = optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 2, p))
+    strategy, batch = Parallel(cpu_mesh((8,), ("fsdp",)), update_in_backward=True), transformer.batches(1)[0]
+    model = transformer.make_model(transformer.Config())
+    with pytest.raises(ValueError, match="other steps for one layer than for the stacked parameter"):
+        strategy.prepare(model, by_ndim, transformer.UNITS, batch)
+    strategy.prepare(model, adamw(), transformer.UNITS, batch)  # by path: the same steps
+
+
 def test_compute_dtype_casts_each_piece_before_its_gather():
     """compute_dtype=bf16 under FSDP x TP: every parameter gather moves bf16 (f32 without it), while
     the stored parameters stay float32."""
