@@ -104,6 +104,8 @@ class ModelState:
             raise ValueError("model state: every non-parameter variable must hold exactly one array")
         self.key_impls = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
         self.is_batch_stat = [isinstance(v, nnx.BatchStat) for v in variables]
+        # written by the forward the same on every rank: the RNG streams' counts (keys are folded per rank)
+        self.same_on_ranks = [isinstance(v, nnx.RngState) for v in variables]
 
     @property
     def empty(self) -> bool:
@@ -136,14 +138,20 @@ class ModelState:
         """What the step stores: keys as they were (the fold is per step), floating batch statistics averaged
         over the data `axes`, every other variable (an integer batch statistic such as a count of batches
         seen included: no mean of it is an integer) as the forward left it (the same on every rank)."""
-        out = []
-        zipped = zip(jax.tree.leaves(before), jax.tree.leaves(after), self.key_impls, self.is_batch_stat, strict=True)
-        for old, new, impl, batch_stat in zipped:
+        out, written = [], []
+        paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(before)[0]]
+        leaves = jax.tree.leaves(before), jax.tree.leaves(after)
+        zipped = zip(paths, *leaves, self.key_impls, self.is_batch_stat, self.same_on_ranks, strict=True)
+        for path, old, new, impl, batch_stat, same in zipped:
             if impl is not None:
                 new = old
             elif batch_stat and jnp.issubdtype(new.dtype, jnp.inexact):
                 new, token = comm.all_reduce(new, axes, token, op="mean", backend=backend)
+            elif new is not old and not same:
+                written.append(jax.tree_util.keystr(path, simple=True, separator="/"))
             out.append(new)
+        if written:
+            _warn_of_rank_state(written)
         return self.pure_treedef.unflatten(out), token
 
     def after_local_step(self, before: dict, after: dict) -> dict:
@@ -176,6 +184,18 @@ class ModelState:
         drop_intermediates(model, unread)
         after = nnx.split(model, nnx.Param, ...)[2]
         return out, self.store(nnx.State({k: v for k, v in after.items() if k not in fixed}))
+
+
+def _warn_of_rank_state(names: list[str]) -> None:
+    # (the same text for every trace: Python shows it once)
+    warnings.warn(
+        f"the forward updates the model variables {', '.join(repr(n) for n in names)}, which are neither "
+        "parameters nor nnx.BatchStat: under data parallelism each rank keeps the value its own part of the "
+        "batch gives (a running mean of its rows, a count of its rows) and the checkpoint holds the first "
+        "rank's; make a running statistic an nnx.BatchStat (averaged over the ranks after each step), or count "
+        "what does not depend on the data",
+        stacklevel=3,
+    )
 
 
 def keep_if(skipped: jax.Array, new, old):
