@@ -154,7 +154,9 @@ def source_record(files: Sequence[Path]) -> list[dict]:
 
 def tokenizer_sha256(spec: str, train_bpe: int) -> str | None:
     """The SHA-256 of a tokenizer given as a file (its path alone would not see the file replaced)."""
-    return None if train_bpe or spec == "bytes" else _sha256(Path(spec))
+    if train_bpe or spec == "bytes" or not (path := tokenize.tokenizer_path(spec)).is_file():
+        return None  # (a missing file: `prepare` says so)
+    return _sha256(path)
 
 
 def prepare(

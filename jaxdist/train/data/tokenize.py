@@ -62,14 +62,18 @@ class JSONTokenizer:
         path.write_text(json.dumps(json.loads(self.tokenizer.to_str()), sort_keys=True))
 
 
+def tokenizer_path(spec: str | Path) -> Path:
+    """The tokenizer JSON file `spec` names: the file, or the tokenizer.json of a (hf:) model directory."""
+    path = Path(str(spec).removeprefix("hf:"))
+    return path / TOKENIZER_FILE if path.is_dir() else path
+
+
 def from_file(path: str | Path) -> JSONTokenizer:
     """The Hugging Face tokenizer JSON file at `path`, or the tokenizer.json of a Hugging Face model
     directory (`DIR` or `hf:DIR`); one-line errors for a missing or invalid file."""
     from tokenizers import Tokenizer
 
-    path = Path(str(path).removeprefix("hf:"))
-    if path.is_dir():
-        path = path / TOKENIZER_FILE
+    path = tokenizer_path(path)
     if not path.is_file():
         raise ValueError(f"tokenizer file {path} does not exist; give a Hugging Face tokenizer.json, or 'bytes'")
     try:
