@@ -58,7 +58,8 @@ def check_per_leaf(optimizer: optax.GradientTransformation, params, who: str, sl
         an update whose steps depend on a parameter's shape (a mask by `ndim`) is refused.
     """
     state = jax.eval_shape(optimizer.init, params)
-    own = owners(state, params)
+    # a state leaf of another shape than its parameter's (Adafactor's row and column factors) is still its own
+    own = [o if o is not None else a for o, a in zip(owners(state, params), owners(state, params, False), strict=True)]
     jaxpr = jax.make_jaxpr(lambda g, s, p: optimizer.update(g, s, p))(params, state, params)
     paths = [kp for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     names = ["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in kp) for kp in paths]
