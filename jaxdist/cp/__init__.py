@@ -10,8 +10,6 @@ from the global positions of the local queries and of the gathered keys. The uni
 from jaxdist.cp.attention import (
     AttentionProbe,
     attention_over,
-    calls_so_far,
-    check_blocks,
     check_model,
     probe_attention,
 )
@@ -23,8 +21,6 @@ __all__ = [
     "AttentionProbe",
     "attention_over",
     "attention_pairs",
-    "calls_so_far",
-    "check_blocks",
     "check_model",
     "check_step_batch",
     "chunk_len",

@@ -196,28 +196,6 @@ def probe_attention(cp: int, length: int, who: str = "cp"):
     return run()
 
 
-def calls_so_far() -> int:
-    """The attention calls the probe trace running on this thread has seen so far (0 outside one)."""
-    ctx = _current.ctx
-    return ctx.probe.calls if ctx is not None and ctx.probe is not None else 0
-
-
-def check_blocks(calls: list[int], cp: int, who: str) -> None:
-    """Refuse a model whose blocks do not all call `jax.nn.dot_product_attention` (`calls`: each block's
-    count in the probe trace) when some do: a block mixing its tokens by other means (attention written
-    by hand, e.g. with a soft-cap; a convolution or recurrence over the sequence) would see only this
-    rank's tokens. The check cannot tell such a block from one that mixes no tokens (an MLP alone)."""
-    without = [i for i, n in enumerate(calls) if n == 0]
-    if without and len(without) < len(calls):
-        calling = next(i for i, n in enumerate(calls) if n)
-        raise ValueError(
-            f"{who}: under context parallelism (cp={cp}) block {without[0]} never calls jax.nn.dot_product_attention "
-            f"(block {calling} does), so whatever mixes its tokens (attention written by hand, a convolution or "
-            "recurrence over the sequence) would see only this rank's tokens; compute its attention with "
-            "jax.nn.dot_product_attention, or leave cp out (cp takes no blocks without attention)"
-        )
-
-
 def check_model(run_model: Callable, params, batch, cp: int, length: int, who: str) -> AttentionProbe:
     """Trace `run_model(params, batch)` (the model as on one device, on one cp rank's `batch` of avals)
     and refuse, naming the fix, a model cp would compute wrongly: one that never calls

@@ -14,7 +14,6 @@ from flax import nnx
 from support.cp_models import (
     DECODER_UNITS,
     Decoder,
-    DecoderBlock,
     DecoderConfig,
     _heads,
     packed_batch,
@@ -97,28 +96,6 @@ def test_a_step_batch_of_another_sequence_length_than_prepares_is_refused():
     for length in (4, 6):
         with pytest.raises(ValueError, match=rf"fixed at prepare \(8 tokens.*has dimension 1 of {length} where"):
             run.step(run.state, packed_batch(2, length, 64, seed=1))
-
-
-class HalfHandWritten(nnx.Module):
-    """One block through jax.nn.dot_product_attention, the next with its attention written by hand."""
-
-    def __init__(self, rngs):
-        self.embedding = nnx.Embed(64, CFG.d_model, rngs=rngs)
-        self.blocks = nnx.List([DecoderBlock(CFG, rngs), nnx.Linear(CFG.d_model, CFG.d_model, rngs=rngs)])
-        self.norm = nnx.RMSNorm(CFG.d_model, rngs=rngs)
-        self.head = nnx.Linear(CFG.d_model, 64, use_bias=False, rngs=rngs)
-
-    @staticmethod
-    def block_call(block, x, batch):
-        if isinstance(block, DecoderBlock):
-            return DECODER_UNITS.block_call(block, x, batch)
-        return HandWrittenAttention.attend(block, x, batch)
-
-
-def test_a_block_without_the_attention_call_beside_blocks_with_it_is_refused():
-    units = dataclasses.replace(DECODER_UNITS, block_call=HalfHandWritten.block_call)
-    with pytest.raises(ValueError, match=r"block 1 never calls jax.nn.dot_product_attention \(block 0 does\)"):
-        prepare(units, packed_batch(2, 8, 64, seed=0), model=HalfHandWritten(nnx.Rngs(0)))
 
 
 def test_a_mask_of_fewer_dimensions_broadcasts_as_jax_reads_it():
