@@ -134,10 +134,11 @@ class ModelState:
         leaves = [fold(x, impl) for x, impl in zip(jax.tree.leaves(stored), self.key_impls, strict=True)]
         return self.pure_treedef.unflatten(leaves)
 
-    def after_step(self, before: dict, after: dict, axes, token, backend: str | None = None):
+    def after_step(self, before: dict, after: dict, axes, token, backend: str | None = None, check_written=True):
         """What the step stores: keys as they were (the fold is per step), floating batch statistics averaged
         over the data `axes`, every other variable (an integer batch statistic such as a count of batches
-        seen included: no mean of it is an integer) as the forward left it (the same on every rank)."""
+        seen included: no mean of it is an integer) as the forward left it. Such a variable the forward
+        writes (`check_written`: where that can be seen) is warned of: its value may differ by rank."""
         out, written = [], []
         paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(before)[0]]
         leaves = jax.tree.leaves(before), jax.tree.leaves(after)
@@ -150,7 +151,7 @@ class ModelState:
             elif new is not old and not same:
                 written.append(jax.tree_util.keystr(path, simple=True, separator="/"))
             out.append(new)
-        if written:
+        if written and check_written:  # (a forward under jax.checkpoint returns every variable anew: unknown)
             _warn_of_rank_state(written)
         return self.pure_treedef.unflatten(out), token
 
@@ -192,8 +193,8 @@ def _warn_of_rank_state(names: list[str]) -> None:
         f"the forward updates the model variables {', '.join(repr(n) for n in names)}, which are neither "
         "parameters nor nnx.BatchStat: under data parallelism each rank keeps the value its own part of the "
         "batch gives (a running mean of its rows, a count of its rows) and the checkpoint holds the first "
-        "rank's; make a running statistic an nnx.BatchStat (averaged over the ranks after each step), or count "
-        "what does not depend on the data",
+        "rank's; make a running statistic an nnx.BatchStat (averaged over the ranks after each step); a value "
+        "that does not depend on the data (a count of steps) is the same on every rank",
         stacklevel=3,
     )
 

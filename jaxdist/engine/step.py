@@ -371,7 +371,9 @@ class UnitGrads:
         outer, tok = self.split.outer_state.after_step(before["outer"], outer_out, axes, tok, backend)
         blocks = {}
         for i, ms in enumerate(self.split.block_states or []):
-            blocks[i], tok = ms.after_step(before["blocks"][i], blocks_out[i], axes, tok, backend)
+            blocks[i], tok = ms.after_step(
+                before["blocks"][i], blocks_out[i], axes, tok, backend, check_written=not self.cfg.remat
+            )
         return {"outer": outer, "blocks": blocks}, tok
 
     def reduce_aux(self, aux, tok):
