@@ -104,8 +104,8 @@ class StopRequests:
             self.deadline.allow(now - self.last_check)
         self.last_check = now
         if self.requested:
-            if self.deadline is not None:
-                self.deadline.disarm()  # at the boundary: not stuck (the stop's save may take its time)
+            if self.deadline is not None:  # at the boundary (the host's: the device may lag): the save's turn
+                self.deadline.restart()
             raise KeyboardInterrupt
 
     def close(self) -> None:

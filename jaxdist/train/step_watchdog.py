@@ -137,9 +137,10 @@ def timeout_from(configured: float) -> float:
 
 class StopDeadline:
     """After SIGTERM or SIGINT (which need Python handlers installed: the trainer's), end the process with
-    status 128 + the signal's number unless it ends or `disarm`s first: `grace_s` later, or twice the
-    longest a step has taken (`allow`), whichever is longer, so that a long step is not taken for a stuck
-    one. Install in the main thread.
+    status 128 + the signal's number unless it ends first: `grace_s` later, or twice the longest a step
+    has taken (`allow`), whichever is longer, so that a long step is not taken for a stuck one; `restart`
+    (the caller reached its stop) starts the same period again for what follows (its save). Install in
+    the main thread.
 
     Python's C-level handler writes each signal to the wakeup fd at once, also while the main thread is
     blocked in XLA; a thread reading it arms the deadline."""
@@ -149,6 +150,7 @@ class StopDeadline:
             raise ValueError(f"${STOP_GRACE_ENV} must be > 0 seconds, got {grace_s}")
         self.grace_s, self._exit = grace_s, exit_fn
         self._longest_step_s = 0.0
+        self._armed_at = 0.0
         self._cond = threading.Condition()
         self._reader, self._writer = socket.socketpair()
         self._writer.setblocking(False)  # a signal handler must never block
@@ -176,9 +178,9 @@ class StopDeadline:
                 return
             if stops:
                 break
-        armed = time.monotonic()
         with self._cond:
-            while not self._closed and (left := armed + self.grace() - time.monotonic()) > 0:
+            self._armed_at = time.monotonic()
+            while not self._closed and (left := self._armed_at + self.grace() - time.monotonic()) > 0:
                 self._cond.wait(left)
             if self._closed:  # the caller got past its stop: not stuck
                 return
@@ -192,15 +194,17 @@ class StopDeadline:
         )
         self._exit(128 + stops[0])
 
-    def disarm(self) -> None:
-        """A deadline armed is off (the caller reached its stop); signals still arm none."""
+    def restart(self) -> None:
+        """The period starts again now (an armed deadline; one armed later starts then anyway)."""
         with self._cond:
-            self._closed = True
+            self._armed_at = time.monotonic()
             self._cond.notify()
 
     def close(self) -> None:
         """No more signals are watched, and a deadline armed is off."""
-        self.disarm()
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
         signal.set_wakeup_fd(self._previous)
         self._writer.close()
 
