@@ -76,9 +76,9 @@ def check_per_leaf(optimizer: optax.GradientTransformation, params, who: str, sl
     if mixing := _first_mixing_op(jaxpr.jaxpr, [True] * n_in):
         raise ValueError(
             f"{who}: update_in_backward updates each device's shard of a parameter on its own, but the optimizer's "
-            f"update is not element by element ({mixing}: a norm, mean or matmul over the parameter, as in lamb, "
-            "lars, adafactor, clip_by_block_rms or muon); use an element-wise optimizer (adam, adamw, sgd, lion) "
-            "or update_in_backward=False"
+            f"update is not element by element ({mixing}: a reduction, matmul or random draw over the parameter, as "
+            "in lamb, lars, adafactor, clip_by_block_rms, muon or noisy_sgd); use an element-wise optimizer (adam, "
+            "adamw, sgd, lion) or update_in_backward=False"
         )
     if sliced is not None:
         piece_state = jax.eval_shape(optimizer.init, sliced)
@@ -131,6 +131,10 @@ ELEMENTWISE = frozenset(
 )
 
 
+# primitives that make an array from its shape (positions, random bits): on a shard, not the whole's slice
+POSITIONAL = frozenset({"iota", "random_bits", "rng_bit_generator", "rng_uniform"})
+
+
 def _first_mixing_op(jaxpr, from_leaf: list[bool]) -> str | None:
     """The first equation that mixes elements of an array read from the inputs marked `from_leaf`
     (a reduction, matmul, reshape ...), followed into calls; None if every such step is element-wise.
@@ -145,6 +149,8 @@ def _first_mixing_op(jaxpr, from_leaf: list[bool]) -> str | None:
         inner = [p for p in eqn.params.values() if isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr))]
         inner = [p.jaxpr if isinstance(p, jcore.ClosedJaxpr) else p for p in inner]
         name = eqn.primitive.name
+        if name in POSITIONAL and any(v.aval.shape != () for v in eqn.outvars):  # per shard: other numbers
+            return f"{name} of shape {tuple(eqn.outvars[0].aval.shape)}"
         if len(inner) == 1 and len(inner[0].invars) == len(ins):
             if found := _first_mixing_op(inner[0], ins):
                 return found

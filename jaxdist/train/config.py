@@ -244,12 +244,13 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     """`value` (from TOML, or a string from the command line) as the field's type."""
     args = typing.get_args(hint)
     allowed = [a for a in args if a is not type(None)] or [hint]
+    if isinstance(value, str) and where not in VERBATIM:
+        value = value.strip()
     if value is None or (isinstance(value, str) and value.lower() == "none" and type(None) in args):
         if type(None) in args:
             return None
-        raise ConfigError(f"{where} cannot be none; give a {allowed[0].__name__}")
+        raise ConfigError(f"{where} cannot be none; give {TYPE_NAMES.get(allowed[0], allowed[0].__name__)}")
     for t in allowed:
-        # a command line's text as typed (a prompt's spaces matter), except where it reads as a number or flag
         given = value.strip() if isinstance(value, str) and t is not str else value
         try:
             if t is bool:
@@ -271,6 +272,7 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
 
 
 TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
+VERBATIM = ("run.sample_prompt",)  # text kept as typed, its spaces included (a BPE prompt's leading space)
 
 
 def apply(cfg: TrainConfig, section: str, key: str, value: Any) -> None:

@@ -172,14 +172,15 @@ def test_update_in_backward_refuses_what_needs_every_gradient_first():
         optax.lamb(1e-3),  # a trust ratio: the norm of the whole parameter and its update
         optax.lars(1e-3),
         optax.chain(optax.clip_by_block_rms(1.0), optax.sgd(0.1)),
+        optax.noisy_sgd(0.1, key=0),  # noise drawn for a shard's shape: not the whole's slice
     ],
-    ids=["lamb", "lars", "block_rms"],
+    ids=["lamb", "lars", "block_rms", "noisy_sgd"],
 )
 def test_update_in_backward_refuses_an_update_that_reduces_over_a_parameter(optimizer):
     """Updated on each device's shard, these saw a piece of each parameter: 4.3e-3 off one device after 3
     steps (LAMB), silently."""
     mesh = cpu_mesh((8,), ("fsdp",))
-    with pytest.raises(ValueError, match=r"not element by element \(reduce_sum of"):
+    with pytest.raises(ValueError, match=r"not element by element \((reduce_sum|random_bits) of"):
         Parallel(mesh, update_in_backward=True).prepare(ResMLP(nnx.Rngs(0)), optimizer, MLP_UNITS, mlp_batches(1)[0])
 
 
