@@ -104,8 +104,9 @@ class ModelState:
             raise ValueError("model state: every non-parameter variable must hold exactly one array")
         self.key_impls = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
         self.is_batch_stat = [isinstance(v, nnx.BatchStat) for v in variables]
-        # written by the forward the same on every rank: the RNG streams' counts (keys are folded per rank)
-        self.same_on_ranks = [isinstance(v, nnx.RngState) for v in variables]
+        # written by the forward the same on every rank: the RNG streams' counts (keys are folded per rank),
+        # an integer batch statistic (a count of batches seen; the float ones are averaged)
+        self.same_on_ranks = [isinstance(v, nnx.RngState | nnx.BatchStat) for v in variables]
 
     @property
     def empty(self) -> bool:

@@ -59,12 +59,24 @@ def test_a_variable_updated_from_the_data_is_warned_of_by_name(strategy):
         run.step(run.state, batch)
 
 
+class CountingNet(Net):
+    """Counts its forwards in an integer batch statistic (as PyTorch's num_batches_tracked)."""
+
+    def __init__(self, rngs):
+        super().__init__([0.5, 1.5], rngs, batchnorm=True, dropout=0.1, input_dropout=0.1)
+        self.calls = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+
+def counting_loss(m, batch):
+    m.calls[...] = m.calls[...] + 1
+    return net_loss(m, batch)
+
+
 def test_untouched_variables_batch_statistics_and_dropout_say_nothing():
     batch = net_batches(1)[0]
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=WARNING)
-        model = Net([0.5, 1.5], nnx.Rngs(0), batchnorm=True, dropout=0.1, input_dropout=0.1)
-        run = DDP(cpu_mesh((8,), ("dp",))).prepare(model, optax.sgd(0.1), net_loss, batch)
+        run = DDP(cpu_mesh((8,), ("dp",))).prepare(CountingNet(nnx.Rngs(0)), optax.sgd(0.1), counting_loss, batch)
         run.step(run.state, batch)
         for remat in (None, True):  # under jax.checkpoint every variable comes back anew: nothing is known
             model = Net([0.5, 1.5], nnx.Rngs(0), batchnorm=True, dropout=0.1)  # its blocks' gains are read only
