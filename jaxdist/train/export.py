@@ -17,6 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jaxdist.train import hf_init
 from jaxdist.train.checkpoint import CheckpointError, Checkpoints
 from jaxdist.train.model_record import PLATFORM_KEYS, model_record
 from jaxdist.train.orbax_logs import DropOrbaxLogs
@@ -194,15 +195,8 @@ def _spread_over_devices(shape: tuple[int, ...]) -> jax.sharding.Sharding:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
-def _hf_source(meta: dict) -> Path | None:
-    """The directory of the run's run.init_from=hf:DIR, None for a run that did not start from one (runs
-    before 2026-12-05 kept DIR as given: relative to the directory the run was started in)."""
-    init_from = ((meta.get("config") or {}).get("run") or {}).get("init_from", "")
-    return Path(init_from[3:]).expanduser() if init_from.startswith("hf:") else None
-
-
 def _warn_if_source_is_gone(meta: dict, out: Path) -> None:
-    source = _hf_source(meta)
+    source = hf_init.source_of(meta)
     if source is not None and not source.is_dir():
         warn(
             f"the run started from hf:{source}, which is not there (from {Path.cwd()}): its special token ids, "
@@ -215,7 +209,7 @@ def _source_config(meta: dict) -> dict | None:
     """The config.json of the run.init_from=hf:DIR the run fine-tuned, if that directory is still there."""
     from jaxdist.models import hf_config
 
-    source = _hf_source(meta)
+    source = hf_init.source_of(meta)
     path = None if source is None else source / hf_config.CONFIG_FILE
     if path is None or not path.is_file():
         return None
@@ -232,7 +226,7 @@ def _tokenizer_files(meta: dict) -> dict[str, Path]:
     from jaxdist.train.data.tokenize import TOKENIZER_FILE
 
     files: dict[str, Path] = {}
-    source = _hf_source(meta)
+    source = hf_init.source_of(meta)
     if source is not None and source.is_dir():
         files.update(hf.tokenizer_files(source))
     data_dir = (meta.get("data") or {}).get("dir")

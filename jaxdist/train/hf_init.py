@@ -44,6 +44,12 @@ def directory(init_from: str) -> Path | None:
     return Path(init_from[len(PREFIX) :]).expanduser() if init_from.startswith(PREFIX) else None
 
 
+def source_of(meta: dict) -> Path | None:
+    """The hf:DIR a checkpoint's run started from (its metadata's run.init_from), None for any other run
+    (runs before 2026-12-05 kept DIR as given: relative to the directory the run was started in)."""
+    return directory(((meta.get("config") or {}).get("run") or {}).get("init_from", ""))
+
+
 def make_absolute(cfg: TrainConfig) -> None:
     """run.init_from as an absolute path: the run's checkpoints keep it, and `jaxdist export` and `jaxdist
     sample` read DIR's config.json and tokenizer files from it, from whatever working directory."""

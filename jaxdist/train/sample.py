@@ -151,10 +151,10 @@ def load_run(run_dir: str | Path, data_dir: str | Path | None = None):
 def _init_tokenizer(meta: dict):
     """The tokenizer.json of the Hugging Face directory a run started from (run.init_from=hf:DIR), if any."""
     from jaxdist.train.data.tokenize import TOKENIZER_FILE, from_file
+    from jaxdist.train.hf_init import source_of
 
-    init_from = ((meta.get("config") or {}).get("run") or {}).get("init_from", "")
-    path = Path(init_from.removeprefix("hf:")) / TOKENIZER_FILE
-    return from_file(path) if init_from.startswith("hf:") and path.is_file() else None
+    source = source_of(meta)
+    return from_file(source / TOKENIZER_FILE) if source and (source / TOKENIZER_FILE).is_file() else None
 
 
 def prompt_ids(tokenizer, prompt: str, vocab_size: int, option: str = "--prompt") -> np.ndarray:
