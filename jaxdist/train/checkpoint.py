@@ -315,7 +315,8 @@ class Checkpoints:
     def newest_readable(self, read: Callable[[int], T], below: int | None = None) -> tuple[int, T] | None:
         """`(step, read(step))` for the newest checkpoint (older than `below`, if given) that verifies and
         reads; each newer one that fails is moved aside with a one-line warning (read-only: left in place,
-        and one deleted meanwhile by the run's trainer skipped quietly). None if there is none."""
+        and one deleted meanwhile by the run's trainer skipped quietly). None if there is none. With several
+        processes a failed read of a verified checkpoint stops the resume instead (`_read_failed_on_this_process`)."""
         steps = sorted((s for s in self.manager.all_steps() if below is None or s < below), reverse=True)
         for step in steps:
             reason = self._verdict(step)
@@ -330,6 +331,8 @@ class Checkpoints:
                             f"reading checkpoint {self.directory / str(step)} ran out of memory ({first_line(e)}); "
                             "it is left in place: free memory (or restore onto more devices) and resume"
                         ) from e
+                    if jax.process_count() > 1:
+                        raise self._read_failed_on_this_process(step, e) from e
                     reason = first_line(e)
             if not self.read_only:
                 self._set_aside(step, reason)
@@ -338,6 +341,20 @@ class Checkpoints:
                 where = self.directory / str(step)
                 warn(f"checkpoint {where} is unreadable ({reason}); left in place, the previous one is used")
         return None
+
+    def _read_failed_on_this_process(self, step: int, e: Exception) -> CheckpointError:
+        """The error that ends a multi-process resume whose read of a verified checkpoint failed here.
+
+        Other processes may have read it, and wait in the restore's closing barrier (a device
+        collective): this process cannot join them in moving it aside (that collective would meet the
+        barrier's and hang), and the files are good by process 0's checksums. So the run stops, the
+        checkpoint kept; every process that failed alike says so."""
+        where = self.directory / str(step)
+        return CheckpointError(
+            f"process {jax.process_index()} could not read checkpoint {where} ({first_line(e)}); its files matched "
+            "their checksums on process 0, so it is left in place: check this host's view of the directory "
+            f"and resume, or move {where} away to resume from the checkpoint before it"
+        )
 
     def _verdict(self, step: int) -> str | None:
         """None if `step`'s files match their checksums, else why not: decided by process 0 for all (it

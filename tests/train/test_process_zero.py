@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.trainer_runs import BASE as TRAIN_BASE
-from support.trainer_runs import rows, truncate_checkpoint
+from support.trainer_runs import rows, tiny_run_config, truncate_checkpoint
+
+from jaxdist.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 120  # two processes start in ~10 s on a loaded CPU; the hang this guards against took 300 s
@@ -151,3 +153,33 @@ def test_a_damaged_checkpoint_is_set_aside_by_every_process_and_the_run_resumes_
     assert sorted(os.listdir(run / "checkpoints"), key=int) == ["2", "4"]
     retrained = {row["step"]: row["loss"] for row in rows(run)}  # the last row of each step
     np.testing.assert_allclose([retrained[s] for s in (3, 4)], [losses[s] for s in (3, 4)], rtol=1e-6)
+
+
+READ_FAILS_ON_RANK_1 = """
+import os, sys
+from jaxdist.train import checkpoint
+from jaxdist.train.cli import main
+
+if os.environ["JAXDIST_PROCESS_ID"] == "1":  # this host alone cannot read the files process 0 verified
+    def failing_read(self, step, target):
+        raise OSError(5, "Input/output error", str(self.directory / str(step) / "arrays"))
+    checkpoint.Checkpoints.restore = failing_read
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_read_failing_on_one_process_alone_stops_the_run_at_once_and_keeps_the_checkpoint(tmp_path):
+    """Process 1 went on to move the checkpoint aside (a broadcast) while process 0 waited in the restore's
+    closing barrier, another collective: both hung for good (7 minutes seen, SIGTERM ignored). A read that
+    fails after process 0 verified the files now stops the run, naming the process; nothing is moved."""
+    run = tmp_path / "run"
+    train(tiny_run_config(run, "run.steps=4", "run.checkpoint_every=2"))
+    cmd = [sys.executable, "-c", READ_FAILS_ON_RANK_1, "train", *TRAIN_BASE, "run.steps=6", "run.checkpoint_every=2"]
+    zero, one = two_processes([*cmd, f"run.out_dir={run}"], tmp_path)
+    assert (zero.returncode, one.returncode) == (2, 2), zero.stdout[-3000:] + one.stdout[-3000:]
+    said = f"process 1 could not read checkpoint {run / 'checkpoints' / '4'} (Input/output error)"
+    assert said in one.stdout and "so it is left in place" in one.stdout, one.stdout[-3000:]
+    assert "jaxdist train: error:" in zero.stdout, zero.stdout[-3000:]  # the collective it waited in failed
+    assert sorted(os.listdir(run / "checkpoints"), key=int) == ["2", "4"]
+    assert not (run / "checkpoints.unreadable").exists()
