@@ -14,6 +14,7 @@ from jaxdist.tp import layers as tp_math
 from jaxdist.tp.call_log import call_equation
 from jaxdist.tp.placement import LINEAR, Equation
 from jaxdist.tp.plan import Layer, ResolvedPlan, static_equation, weight_name
+from jaxdist.tp.row_linearity import WithoutBias
 from jaxdist.tp.vocab_loss import VocabShardedLogits
 
 
@@ -40,20 +41,6 @@ class Binding:
         if self.sequence_parallel:
             return tp_math.scatter_sequence(partial, self.axis, self.backend, self.sequence_dim)
         return tp_math.reduce_from_tp(partial, self.axis, self.backend)
-
-
-class _NoBias:
-    """A view of a layer without its bias, so the layer's own code computes the product alone."""
-
-    def __init__(self, module):
-        object.__setattr__(self, "_module", module)
-
-    def __getattr__(self, name):
-        if name == "bias":
-            return None
-        if name == "use_bias":
-            return False
-        return getattr(self._module, name)
 
 
 def _equation_now(self, called: str | None) -> Equation | None:
@@ -131,7 +118,7 @@ def _linear_column(self, inputs, *args, **kwargs):
 def _linear_row(self, inputs, *args, **kwargs):
     _reached()
     _check_features(self, inputs, "row", LINEAR)
-    y = self._jaxdist_tp.leave(nnx.Linear.__call__(_NoBias(self), inputs, *args, **kwargs))
+    y = self._jaxdist_tp.leave(nnx.Linear.__call__(WithoutBias(self), inputs, *args, **kwargs))
     bias = getattr(self, "bias", None)
     if bias is None:
         return y
@@ -159,7 +146,7 @@ def _einsum_row(self, inputs, einsum_str=None, *args, **kwargs):
     _reached()
     text = _einsum_text(self, einsum_str)
     _check_features(self, inputs, "row", Equation.parse(text, self.kernel.ndim))
-    y = self._jaxdist_tp.leave(nnx.Einsum.__call__(_NoBias(self), inputs, einsum_str, *args, **kwargs))
+    y = self._jaxdist_tp.leave(nnx.Einsum.__call__(WithoutBias(self), inputs, einsum_str, *args, **kwargs))
     if self.bias is None:
         return y
     shape = self._infer_broadcasted_bias_shape(text, inputs, self.kernel[...])
@@ -256,7 +243,7 @@ def _any_row(self, *args, **kwargs):
     where = _array_arg(args, kwargs)
     equation = _equation_now(self, call_equation(self, args, kwargs))
     _check_features(self, args[where] if isinstance(where, int) else kwargs.get(where), "row", equation)
-    y = self._jaxdist_tp.leave(type(self).__mro__[1].__call__(_NoBias(self), *args, **kwargs))
+    y = self._jaxdist_tp.leave(type(self).__mro__[1].__call__(WithoutBias(self), *args, **kwargs))
     bias = getattr(self, "bias", None)
     if not isinstance(bias, nnx.Param):
         return y

@@ -22,6 +22,7 @@ class CallLog:
         self.plan = plan
         self._unit = "the model"
         self._calls: list[tuple[str, tuple, str | None]] = []
+        self._checked: set[tuple] = set()
 
     @contextlib.contextmanager
     def unit(self, name: str):
@@ -43,6 +44,16 @@ class CallLog:
 
     def record(self, path: tuple, equation: str | None) -> None:
         self._calls.append((self._unit, path, equation))
+
+    def check_row(self, module, path: tuple, args, kwargs) -> None:
+        """Refuse a row layer of the model's own type whose call is not linear in its weight (once a layer)."""
+        placement = self.plan.placement(path)
+        if placement is None or placement.kind != "row" or path in self._checked:
+            return
+        self._checked.add(path)
+        from jaxdist.tp.row_linearity import check_row_layer  # it imports the plan, which imports this module
+
+        check_row_layer(module, placement, "/".join(path), args, kwargs)
 
     def equation(self, module_path: tuple) -> str | None:
         """The equation the layer was first called with, if it was called with one."""
@@ -68,6 +79,7 @@ def call_equation(module, args, kwargs) -> str | None:
 def _recording_call(self, *args, **kwargs):
     log, path = self._jaxdist_log
     log.record(path, call_equation(self, args, kwargs))
+    log.check_row(self, path, args, kwargs)
     return type(self).__mro__[1].__call__(self, *args, **kwargs)
 
 

@@ -1,0 +1,181 @@
+"""A row layer of a type jaxdist does not know (a model's own dense layer) runs its own call on each tp
+rank's slice of the input and of its weight, and the ranks' results are summed after it: right only if
+the call is linear in its weight. A bias is added once after the sum if it is named `bias` (the call
+sees none); a bias of another name, or an activation inside the layer, would be added or applied on
+every rank before the sum, silently wrong. `check_row_layer` reads the call's jaxpr at `prepare` and
+refuses such a layer, naming what it does to the product."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.extend import core as jex_core
+
+from jaxdist.tp.plan import weight_name
+
+# primitives linear in their first operand when no other operand comes from the weight
+_LINEAR_IN_FIRST = {
+    "neg", "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "convert_element_type",
+    "reduce_sum", "slice", "dynamic_slice", "gather", "rev", "copy", "copy_p", "reduce_precision", "cumsum",
+    "real", "imag", "conj", "sharding_constraint", "mesh_cast", "pvary", "psum", "all_gather", "pbroadcast",
+}  # fmt: skip
+_ONE_FACTOR = {"mul", "dot_general", "conv_general_dilated"}  # linear in whichever single operand is the weight's
+_SUMS = {"add", "sub", "add_any"}
+_ALL_OR_NONE = {"concatenate", "dynamic_update_slice"}
+_PASS_THROUGH = {"optimization_barrier"}  # each output is its operand
+_CONTROL_FLOW = {"scan", "while", "cond"}  # not followed: such a layer is not checked
+
+
+class WithoutBias:
+    """A view of a layer without its bias, so the layer's own code computes the product alone; with
+    `weight=(name, value)`, that value in place of the named weight."""
+
+    def __init__(self, module, weight: tuple[str, object] | None = None):
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_weight", weight)
+
+    def __getattr__(self, name):
+        if name == "bias":
+            return None
+        if name == "use_bias":
+            return False
+        if self._weight is not None and name == self._weight[0]:
+            return self._weight[1]
+        return getattr(self._module, name)
+
+
+def check_row_layer(module, placement, where: str, args: tuple, kwargs: dict) -> None:
+    """Raise if `module`, placed row parallel by `placement` and of a type jaxdist does not know, has a call
+    (with these arguments, its bias hidden) that is not linear in its weight."""
+    if isinstance(module, (nnx.Linear, nnx.Einsum, nnx.Embed)):  # jaxdist's own row layers add the bias
+        return
+    param = placement.param or weight_name(module)
+    call = type(module).__mro__[1].__call__ if hasattr(module, "_jaxdist_log") else type(module).__call__
+    weight = getattr(module, param, None) if param else None
+    if not isinstance(weight, nnx.Variable):
+        return
+    clone = nnx.merge(*nnx.split(module))  # whatever the call writes (an RNG count) stays off the model
+
+    def product(w):
+        return call(WithoutBias(clone, (param, nnx.Param(w))), *args, **kwargs)
+
+    try:
+        closed = jax.make_jaxpr(product)(weight[...])
+    except Exception:  # noqa: BLE001 (the layer's own call raises its own error, where it runs for real)
+        _check_reads_bias(module, clone, call, where, args, kwargs)
+        return
+    names = _param_names(module, closed.consts)
+    jaxpr = closed.jaxpr
+    found = _nonlinear_use(jaxpr, {jaxpr.invars[0]}, names)
+    if found:
+        cls = call.__qualname__.rsplit(".", 1)[0]
+        raise ValueError(
+            f"TPPlan: {where} ({cls}) is row parallel: each tp rank runs its call on its slice of the input and "
+            f"of {param!r}, and the ranks' results are summed after it, so the call must be linear in "
+            f"{param!r}; it {found}. Name a bias `bias` (jaxdist adds a parameter of that name once, after the "
+            "sum), apply activations outside the layer, or place the layer otherwise"
+        )
+
+
+def _check_reads_bias(module, clone, call, where: str, args: tuple, kwargs: dict) -> None:
+    """Raise if the call fails without its bias but not with it (it reads `self.bias` unguarded)."""
+    if not isinstance(getattr(module, "bias", None), nnx.Variable):
+        return
+    try:
+        jax.eval_shape(lambda: call(clone, *args, **kwargs))
+    except Exception:  # noqa: BLE001 (it fails either way: its own error is the one to see)
+        return
+    raise ValueError(
+        f"TPPlan: {where} ({call.__qualname__.rsplit('.', 1)[0]}) is row parallel, and its call fails where its "
+        "`bias` is None: jaxdist runs the call without the bias on each tp rank's slice and adds the bias once "
+        "after summing the ranks' results; let the call skip it (`if self.bias is not None: ...`)"
+    )
+
+
+def _param_names(module, consts) -> dict[int, str]:
+    """The module's parameters among the jaxpr's constants, by the constant's id (for the message)."""
+    by_id = {}
+    for path, var in nnx.iter_graph(module):
+        if isinstance(var, nnx.Variable):
+            raw = var.get_value() if hasattr(var, "get_value") else var.value  # flax < 0.12: .value
+            by_id[id(raw)] = "/".join(map(str, path))
+    return {i: by_id[id(c)] for i, c in enumerate(consts) if id(c) in by_id}
+
+
+def _nonlinear_use(jaxpr, dependent: set, names: dict[int, str]) -> str | None:
+    """What the jaxpr does to the values in `dependent` (its weight and what is computed from it) that is
+    not linear, in words; None if nothing. Values are followed through calls of inner jaxprs."""
+    dependent = set(dependent)
+    const_index = {v: i for i, v in enumerate(jaxpr.constvars)}
+    origin = {}  # a value reshaped, broadcast or cast from a constant: that constant
+
+    def dep(v) -> bool:
+        return isinstance(v, jex_core.Var) and v in dependent
+
+    def zero(v) -> bool:
+        return isinstance(v, jex_core.Literal) and not np.any(np.asarray(v.val))
+
+    def what(v) -> str:
+        if not isinstance(v, jex_core.Var):
+            return f"the constant {v.val}"
+        name = names.get(const_index.get(origin.get(v, v)))
+        return f"the parameter {name!r}" if name else "a value that does not come from the weight"
+
+    for eqn in jaxpr.eqns:
+        flags = [dep(v) for v in eqn.invars]
+        if not any(flags):
+            if eqn.primitive.name in _LINEAR_IN_FIRST and isinstance(eqn.invars[0], jex_core.Var):
+                origin[eqn.outvars[0]] = origin.get(eqn.invars[0], eqn.invars[0])
+            continue
+        prim = eqn.primitive.name
+        if prim in _CONTROL_FLOW:
+            return None
+        inner_jaxpr = _inner_jaxpr(eqn)
+        if inner_jaxpr is not None:
+            found = _nonlinear_use(inner_jaxpr, {iv for iv, f in zip(inner_jaxpr.invars, flags, strict=True) if f}, {})
+            if found:
+                return found
+            outs = _dependent_outputs(inner_jaxpr, flags)
+            dependent.update(o for o, d in zip(eqn.outvars, outs, strict=True) if d)
+            continue
+        if prim in _PASS_THROUGH:
+            dependent.update(o for o, f in zip(eqn.outvars, flags, strict=True) if f)
+            continue
+        ok = (
+            (prim in _LINEAR_IN_FIRST and not any(flags[1:]))
+            or (prim == "pad" and flags == [True, False] and zero(eqn.invars[1]))
+            or (prim in _ONE_FACTOR and sum(flags) == 1)
+            or (prim == "div" and flags == [True, False])
+            or (prim in _SUMS and (all(flags) or any(zero(v) for v in eqn.invars)))
+            or (prim in _ALL_OR_NONE and all(flags))
+            or (prim == "select_n" and not flags[0] and all(flags[1:]))
+        )
+        if not ok:
+            if prim in _SUMS:
+                other = next(v for v, f in zip(eqn.invars, flags, strict=True) if not f)
+                return f"adds {what(other)} to the product"
+            if prim in _ONE_FACTOR:
+                return f"multiplies the product by itself ({prim})"
+            return f"applies {prim}, which is not linear, to the product"
+        dependent.update(eqn.outvars)
+    return None
+
+
+def _inner_jaxpr(eqn):
+    """The inner jaxpr of a call-like equation (jit, remat, custom_jvp/vjp) that takes its operands, else None."""
+    for value in eqn.params.values():
+        if isinstance(value, jex_core.ClosedJaxpr) and len(value.jaxpr.invars) == len(eqn.invars):
+            return value.jaxpr
+        if isinstance(value, jex_core.Jaxpr) and len(value.invars) == len(eqn.invars):
+            return value
+    return None
+
+
+def _dependent_outputs(jaxpr, flags: list[bool]) -> list[bool]:
+    """Which outputs of `jaxpr` depend on the inputs flagged."""
+    dependent = {v for v, f in zip(jaxpr.invars, flags, strict=True) if f}
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, jex_core.Var) and v in dependent for v in eqn.invars):
+            dependent.update(eqn.outvars)
+    return [isinstance(v, jex_core.Var) and v in dependent for v in jaxpr.outvars]
