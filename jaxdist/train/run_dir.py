@@ -32,7 +32,8 @@ from jaxdist.train.process_zero import on_process_zero
 from jaxdist.train.report import warn
 
 RUN_FILES = ("metrics.jsonl", "curves.png")
-RUN_DIRS = ("checkpoints", "checkpoints.unreadable", "tensorboard")
+# what run.overwrite deletes; checkpoints.unreadable/ stays: what was set aside may be recovered, never deleted
+RUN_DIRS = ("checkpoints", "tensorboard")
 LOCK_FILE = "jaxdist.lock"  # never deleted: the lock is the flock on it, not its existence
 
 

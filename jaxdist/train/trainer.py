@@ -409,7 +409,7 @@ def _newest_meta(ckpt: Checkpoints, model_meta: dict, mu_dtype: str):
     if found is None and had_checkpoints:  # starting over would replace the run: as run_dir refuses it
         raise CheckpointError(
             f"no readable checkpoint left in {ckpt.directory} (each moved to {ckpt.unreadable_dir}); "
-            "set run.overwrite=true to start over"
+            f"set run.overwrite=true to start over (it keeps {ckpt.unreadable_dir.name}/)"
         )
     return found
 

@@ -35,6 +35,12 @@ def test_every_checkpoint_unreadable_refuses_to_start_over_and_keeps_the_metrics
     assert "\n" not in str(e.value)
     assert [r["step"] for r in rows(out)] == [1, 2, 3, 4]  # the run's history is untouched
     assert sorted(p.name for p in (out / "checkpoints.unreadable").iterdir()) == ["2", "4"]  # kept, aside
+    assert "it keeps checkpoints.unreadable/" in str(e.value)
+
+    # starting over as the error says deletes the run's checkpoints and rows, never what was set aside
+    train(cfg(out, "run.steps=1", "run.checkpoint_every=1", "run.overwrite=true"))
+    assert [r["step"] for r in rows(out)] == [1]
+    assert sorted(p.name for p in (out / "checkpoints.unreadable").iterdir()) == ["2", "4"]
 
 
 def test_a_run_from_exported_parameters_resumes_without_them(two_checkpoints, tmp_path):

@@ -21,6 +21,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -333,5 +334,23 @@ def ensure_prepared(
         index["inputs"] = contents(index.get("inputs", []))
         if all(index.get(k) == v for k, v in wanted.items()):
             return out
+    _check_only_prepared_data(out)
     prepare(files, out, tokenizer=spec, train_bpe=train_bpe, val_fraction=val_fraction, progress=progress, replace=True)
     return out
+
+
+def _check_only_prepared_data(out: Path) -> None:
+    """Refuse to replace a directory that holds files `prepare` does not write (a user's own `data/`
+    under a run directory chosen by mistake): replacing it would delete them."""
+    if not out.is_dir():
+        return
+    shard = re.compile(rf"({'|'.join(SPLITS)})-\d{{5}}\.bin")
+    foreign = sorted(
+        p.name for p in out.iterdir() if p.name not in (INDEX, tokenize.TOKENIZER_FILE) and not shard.fullmatch(p.name)
+    )
+    if foreign:
+        listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ValueError(
+            f"{out} holds files jaxdist did not write ({listed}); data.source=text prepares its shards into the "
+            "run directory's data/ and would replace them: choose another run.out_dir, or move them elsewhere"
+        )

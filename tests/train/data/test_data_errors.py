@@ -128,3 +128,18 @@ def test_text_prepared_on_the_fly_with_a_damaged_index_is_prepared_again(tmp_pat
     (tmp_path / "data" / "index.json").write_text(damage)
     ensure_prepared([CORPUS], tmp_path / "data", tokenizer="bytes", val_fraction=0.1, progress=False)
     assert read_index(tmp_path / "data")["splits"]["train"]["tokens"] > 0
+
+
+def test_a_run_directory_whose_data_folder_holds_the_users_files_is_refused_and_they_are_kept(tmp_path):
+    """data.source=text prepares into <run.out_dir>/data: a run.out_dir pointed at a project folder had its
+    data/ (the user's text and notes) deleted for the shards, or the run failed having deleted its input."""
+    data = tmp_path / "project" / "data"
+    data.mkdir(parents=True)
+    (data / "corpus.txt").write_bytes(CORPUS.read_bytes())
+    (data / "notes.md").write_text("mine")
+    over = ["data.source=text", f"data.path={data / 'corpus.txt'}", f"run.out_dir={tmp_path / 'project'}"]
+    with pytest.raises(ValueError, match="holds files jaxdist did not write \\(corpus.txt, notes.md\\)") as e:
+        train(config_lib.load(None, [*BASE, *over, "run.steps=1"]))
+    assert "choose another run.out_dir" in str(e.value) and "\n" not in str(e.value)
+    assert sorted(p.name for p in data.iterdir()) == ["corpus.txt", "notes.md"]
+    assert (data / "corpus.txt").read_bytes() == CORPUS.read_bytes()
