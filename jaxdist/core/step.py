@@ -153,6 +153,7 @@ def optimizer_step(
     *,
     max_grad_norm: float | None = None,
     skip_nonfinite: bool = True,
+    loss: jax.Array | None = None,
 ) -> tuple[Any, Any, jax.Array, jax.Array]:
     """The optimizer side of a step on the parameter tree, in global view (outside shard_map, on
     sharded arrays): XLA adds the reductions a global norm needs, so any optax transformation
@@ -166,7 +167,9 @@ def optimizer_step(
         arithmetic) in the wider of that dtype and the parameter's, then each gradient is cast to
         its parameter's dtype.
       max_grad_norm: clip the gradients to this global L2 norm (None: no clip).
-      skip_nonfinite: keep parameters and optimizer state when the norm is NaN/Inf.
+      skip_nonfinite: keep parameters and optimizer state when the norm (or `loss`) is NaN/Inf.
+      loss: the step's loss, if given: a NaN/Inf loss skips the step too (a loss made NaN where its
+        gradient is not, by a `jnp.where`, would otherwise train on).
 
     Returns:
       `(params, opt_state, grad_norm, skipped)`.
@@ -191,5 +194,7 @@ def optimizer_step(
     skipped = jnp.zeros((), jnp.bool_)
     if skip_nonfinite:
         skipped = ~jnp.isfinite(norm)  # a NaN/Inf anywhere makes the global norm non-finite
+        if loss is not None:
+            skipped = skipped | ~jnp.isfinite(loss)
         new_params, new_opt = keep_if(skipped, (new_params, new_opt), (params, opt_state))
     return new_params, new_opt, norm, skipped

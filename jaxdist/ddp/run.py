@@ -358,6 +358,7 @@ class DDPRun:
             grads,
             max_grad_norm=cfg.max_grad_norm,
             skip_nonfinite=cfg.skip_nonfinite,
+            loss=loss,
         )
         model_state = keep_if(skipped, model_state, state.model_state)
         params = jax.lax.with_sharding_constraint(params, self.state_shardings.params)

@@ -92,6 +92,7 @@ def train_step(
             grads,
             max_grad_norm=cfg.max_grad_norm,
             skip_nonfinite=cfg.skips_nonfinite,
+            loss=metrics["loss"],
         )
         if cfg.skips_nonfinite:
             model_state = keep_if(skipped, model_state, state.model_state)

@@ -43,18 +43,27 @@ class NonFiniteSteps:
         self.lr, self.ckpt = cfg.optim.lr, ckpt
         self.pending: list = []
         self.in_a_row = 0
+        self.skipped: list[int] = []  # the steps read back as skipped, in order
 
     def add(self, step: int, metrics: dict) -> None:
-        if self.limit:
-            self.pending.append((step, metrics.get("skipped"), metrics["loss"]))
-            if len(self.pending) > self.limit:
-                self.check(keep_newest=True)
+        self.pending.append((step, metrics.get("skipped"), metrics["loss"]))
+        if self.limit and len(self.pending) > self.limit:
+            self.check(keep_newest=True)
+
+    def skipped_before(self, step: int) -> int:
+        """How many steps before `step` (of those read back: every one before a row's) were skipped."""
+        return sum(1 for s in self.skipped if s < step)
 
     def check(self, keep_newest: bool = False) -> None:
         """Count the pending steps (all but the newest with `keep_newest`); raise NonFiniteLoss at the limit."""
         done, self.pending = (self.pending[:-1], self.pending[-1:]) if keep_newest else (self.pending, [])
         for step, skipped, loss in done:
-            bad = (skipped is not None and bool(host_value(skipped))) or not np.isfinite(float(host_value(loss)))
+            skipped = skipped is not None and bool(host_value(skipped))
+            if skipped:
+                self.skipped.append(step)
+            if not self.limit:
+                continue
+            bad = skipped or not np.isfinite(float(host_value(loss)))
             self.in_a_row = self.in_a_row + 1 if bad else 0
             if self.in_a_row >= self.limit > 0:
                 self.pending = []

@@ -285,7 +285,8 @@ def _train(
         row = {
             "step": step + 1,
             "loss": losses[-1],
-            "lr": _host_lr(schedule, step),
+            # the schedule counts the updates applied: a skipped step does not advance it (as in Megatron-LM)
+            "lr": _host_lr(schedule, step - skipped_at_start - skips.skipped_before(step + 1)),
             "grad_norm": float(host_value(metrics["grad_norm"])) if _has_grad_norm(cfg, metrics) else None,
             "tokens_per_s": tps,
             "mfu": mfu,
@@ -319,6 +320,7 @@ def _train(
         batches = map(_next_token_batches(batch_sharding), batches)
     stop = StopRequests()
     skips = NonFiniteSteps(cfg, ckpt)
+    skipped_at_start = start - _updates_applied(state.opt_state, start)
     try:
         for step in range(start, end):
             guard.beat(step)  # a step (or the log/checkpoint work after it) past the deadline ends the run
@@ -381,6 +383,15 @@ def _train(
         finally:
             stop.close()
     return losses
+
+
+def _updates_applied(opt_state, default: int) -> int:
+    """The optimizer's count of updates applied (optax's `count`, which its schedule reads), else `default`."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        name = getattr(path[-1], "name", None) if path else None
+        if name == "count" and jnp.issubdtype(leaf.dtype, jnp.integer) and leaf.size == 1:
+            return int(host_value(leaf).reshape(()))
+    return default
 
 
 def _host_lr(schedule, step: int) -> float:

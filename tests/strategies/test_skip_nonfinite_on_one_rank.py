@@ -58,3 +58,42 @@ def test_a_nan_on_one_rank_skips_the_step_everywhere_and_changes_nothing(name):
     assert any(
         not np.array_equal(b, a) for b, a in zip(jax.tree.leaves(before[0]), jax.tree.leaves(moved), strict=True)
     )
+
+
+def _nan_loss_where_flagged(head_loss):
+    """The loss made NaN for a batch with a flagged row, its gradient left finite (a `jnp.where` on it)."""
+
+    def loss(model, *args):
+        batch = args[-1]
+        flagged = jax.numpy.any(batch["flag"] > 0)
+        return head_loss(model, *args) + jax.lax.stop_gradient(jax.numpy.where(flagged, jax.numpy.nan, 0.0))
+
+    return loss
+
+
+LOSS_ONLY_CASES = {
+    "ddp": lambda b: DDP(cpu_mesh((4,), ("dp",))).prepare(
+        Net([1.0, 0.5], nnx.Rngs(0)), optax.sgd(0.1), _nan_loss_where_flagged(net_loss), b
+    ),
+    "dp2xfsdp4": lambda b: Parallel(cpu_mesh((2, 4), ("dp", "fsdp"))).prepare(
+        Net([1.0, 0.5], nnx.Rngs(0)),
+        optax.sgd(0.1),
+        type(UNITS)(UNITS.embed, _nan_loss_where_flagged(UNITS.head_loss)),
+        b,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", LOSS_ONLY_CASES)
+def test_a_nan_loss_with_a_finite_gradient_skips_the_step_too(name):
+    """The docs say a step whose loss or gradient is not finite is skipped; a NaN loss whose gradient was
+    finite trained on (its row said loss null, skipped false)."""
+    clean = [{**b, "flag": np.zeros(len(b["x"]), np.float32)} for b in data(2)]
+    run = LOSS_ONLY_CASES[name](clean[0])
+    poisoned = {**clean[1], "flag": np.eye(1, len(clean[1]["x"]), len(clean[1]["x"]) - 1, np.float32)[0]}
+    state, _ = run.step(run.state, clean[0])
+    before = jax.tree.map(np.asarray, state.params)
+    state, bad = run.step(state, poisoned)
+    assert bool(bad["skipped"]) and np.isnan(float(bad["loss"])) and np.isfinite(float(bad["grad_norm"]))
+    for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(jax.tree.map(np.asarray, state.params)), strict=True):
+        np.testing.assert_array_equal(b, a)

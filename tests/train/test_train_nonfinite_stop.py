@@ -1,6 +1,9 @@
 """A run whose steps keep having a NaN/Inf loss stops with a non-zero exit and one line naming the step,
 and the checkpoints saved before (all of the last good parameters) are kept."""
 
+import json
+import math
+
 import numpy as np
 import pytest
 
@@ -36,6 +39,21 @@ def poisoned_from(monkeypatch):
         def local_batches(self, start, offset=0):
             for i, local in enumerate(original(self, start, offset), start=start):
                 yield {**local, "tokens": np.full_like(local["tokens"], 10 * VOCAB)} if i >= first else local
+
+        monkeypatch.setattr(Loader, "local_batches", local_batches)
+
+    return arm
+
+
+@pytest.fixture
+def poisoned_at(monkeypatch):
+    """The batch of each 0-based step in `steps` holds token ids past the vocabulary: that step is NaN."""
+    original = Loader.local_batches
+
+    def arm(*steps: int) -> None:
+        def local_batches(self, start, offset=0):
+            for i, local in enumerate(original(self, start, offset), start=start):
+                yield {**local, "tokens": np.full_like(local["tokens"], 10 * VOCAB)} if i in steps else local
 
         monkeypatch.setattr(Loader, "local_batches", local_batches)
 
@@ -95,3 +113,28 @@ def _leaves(tree):
     if isinstance(tree, dict):
         return [x for k in sorted(tree) for x in _leaves(tree[k])]
     return [tree]
+
+
+def _lr(updates: int, peak=1e-2, warmup=2, decay=10, min_ratio=0.1) -> float:
+    """The schedule by hand: linear warmup over `warmup` updates, then cosine to peak * min_ratio at `decay`."""
+    if updates < warmup:
+        return peak * updates / warmup
+    frac = min(1.0, (updates - warmup) / (decay - warmup))
+    return peak * min_ratio + peak * (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def test_a_skipped_step_does_not_advance_the_schedule_and_the_rows_say_the_lr_applied(tmp_path, poisoned_at):
+    """The optimizer's schedule counts the updates applied (a skipped step keeps its state, count included,
+    as Megatron-LM's scheduler does); the rows showed the lr of the step's number instead, from the skipped
+    step on and after a resume (at 3 of 6 steps: 0.010 shown, 0.005 applied)."""
+    poisoned_at(1)  # step 2 (1-based) is skipped
+    out = tmp_path / "run"
+    schedule = ["optim.lr=1e-2", "optim.warmup_steps=2", "optim.decay_steps=10", "optim.min_lr_ratio=0.1"]
+    run = [*BASE, *schedule, "run.log_every=1", "run.checkpoint_every=3", f"run.out_dir={out}"]
+    assert cli.main(["train", *run, "run.steps=3"]) == 0
+    assert cli.main(["train", *run, "run.steps=6"]) == 0  # resumed at step 3, one update short of it
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["skipped"] for r in rows] == [False, True, False, False, False, False]
+    applied = [0, 1, 1, 2, 3, 4]  # updates applied before each step
+    np.testing.assert_allclose([r["lr"] for r in rows], [_lr(n) for n in applied], rtol=1e-6)
