@@ -35,7 +35,9 @@ def shard_dim(shape: Sequence[int], ranks: int) -> int | None:
     """The dimension a parameter of `shape` is split along over `ranks` ranks: the first that
     `ranks` divides, so a chunk is contiguous in memory wherever the leading dimension divides
     (packing a bucket and unpacking its gather are then reshapes, not transposes); None if none
-    does (a scalar, an odd-sized bias)."""
+    does (a scalar, an odd-sized bias) or it holds nothing (a size-0 dimension: no chunk to gather)."""
+    if 0 in shape:
+        return None
     return next((d for d, s in enumerate(shape) if s % ranks == 0), None)
 
 
