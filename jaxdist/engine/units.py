@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxdist.compat import model_sharding_dropped
@@ -43,6 +44,28 @@ def definition_kinds(defs: list[nnx.GraphDef]) -> list[int]:
             kind = i
         kinds.append(kind)
     return kinds
+
+
+STACKED_CONSTANT_BYTES = 64 * 2**20  # compiled into the program: beyond this, compiling slows and memory doubles
+
+
+def _check_stacked_constants(rest, where: str) -> None:
+    """Refuse stacked layers whose non-parameter variables are too large to compile in as constants."""
+    size = sum(getattr(a, "nbytes", 0) for a in jax.tree.leaves(rest))
+    if size > STACKED_CONSTANT_BYTES:
+        raise ValueError(
+            f"Parallel: the stacked layers at {where!r} hold {size / 2**20:.0f} MiB of non-parameter variables "
+            f"(frozen weights, tables), compiled into the step as constants up to {STACKED_CONSTANT_BYTES >> 20} MiB; "
+            "pass the blocks as a list (Units(stacked=False)), whose variables travel in the train state, or keep "
+            "frozen weights as nnx.Param and freeze them in the optimizer (optax.set_to_zero)"
+        )
+
+
+def _off_mesh(a):
+    """A replicated array's value on the host (a program closes over it as a constant of no mesh)."""
+    if not isinstance(a, jax.Array):
+        return a
+    return np.asarray(a if a.is_fully_addressable else a.addressable_data(0))
 
 
 def layer_of(tree, i: int):
@@ -108,7 +131,10 @@ class ModelSplit:
             self.n_blocks = leads.pop()
             self.block_defs = [g] * self.n_blocks
             self.block_kinds = [0] * self.n_blocks
-            self.block_rests = [layer_of(r, i) for i in range(self.n_blocks)]
+            _check_stacked_constants(r, units.blocks)
+            # each layer's constants (a frozen weight, a table), read by the per-device program as constants:
+            # off the model's mesh, whose sharding a program inside shard_map may not close over
+            self.block_rests = [layer_of(jax.tree.map(_off_mesh, r), i) for i in range(self.n_blocks)]
             self.block_trees = [jax.tree.structure(nnx.to_pure_dict(p))] * self.n_blocks
             self.first_layer = nnx.merge(g, layer_of(nnx.to_pure_dict(p), 0), self.block_rests[0])
             return
