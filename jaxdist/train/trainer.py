@@ -259,6 +259,8 @@ def _train(
         staged_s = time.perf_counter() - began
 
         def finish():
+            if ckpt.latest() == step:  # run again after an interrupt cut it: its save had started
+                return
             began = time.perf_counter()
             skips.check()
             samples = first_sample + (step - start) * cfg.data.batch_size  # where the data stream continues
@@ -274,8 +276,11 @@ def _train(
         return finish
 
     def log_row(step: int, losses_read: list, metrics: dict, evaluate: bool) -> None:
-        """The metrics row of `step + 1` (its losses `losses_read`, its metrics), once those are on the host."""
+        """The metrics row of `step + 1` (its losses `losses_read`, its metrics), once those are on the host;
+        nothing if that row is written already (run again after an interrupt cut it)."""
         nonlocal window_start, window_tokens
+        if step + 1 <= rows["through"]:
+            return
         losses.extend(float(host_value(x)) for x in losses_read)
         skips.check()
         jax.block_until_ready(metrics)
@@ -304,11 +309,19 @@ def _train(
         summary.add(row, window_tokens, elapsed)
         held["window"] = 0.0
         log.write(row)
+        rows["through"] = step + 1
         guard.record(row)
         bar.update(step + 1, row)
         window_start, window_tokens = time.perf_counter(), 0
 
-    step = start
+    def run_due(works: list) -> None:
+        """Run each of `works` and take it off the list once done: one an interrupt cuts stays, to run again."""
+        while works:
+            works[0]()
+            works.pop(0)
+
+    step = stepped = start  # stepped: the steps whose state and metrics the loop holds
+    rows = {"through": start}  # the last step with its row written
     summary = Summary()
     window_start, window_tokens = time.perf_counter(), 0
     guard = StepWatchdog(timeout_from(cfg.run.step_timeout_s), out_dir, process_index=jax.process_index())
@@ -324,15 +337,13 @@ def _train(
     try:
         for step in range(start, end):
             guard.beat(step)  # a step (or the log/checkpoint work after it) past the deadline ends the run
-            state, metrics = run.step(state, next(batches))
+            state, metrics, stepped = *run.step(state, next(batches)), step + 1  # one assignment: no interrupt between
             if step == start:
                 heap.freeze()  # the compiled programs and the model exist now: full collections skip them
             if warm_saves:
                 warm_saves = False
                 ckpt.warm_up(run.canonical(state))
-            for work in due:  # the previous step's save and row: done or nearly, and this step queued behind it
-                work()
-            due = []
+            run_due(due)  # the previous step's save and row: done or nearly, and this step queued behind it
             skips.add(step + 1, metrics)
             pending.append(metrics["loss"])  # read back only when logging: no host sync per step
             window_tokens += tokens_per_step
@@ -350,9 +361,7 @@ def _train(
                 pending = []
             due = [work for work in (finish_save, row) if work is not None]
             if not later:
-                for work in due:
-                    work()
-                due = []
+                run_due(due)
             if step == start or refreeze["due"]:
                 refreeze["due"] = False
                 heap.freeze()
@@ -362,8 +371,7 @@ def _train(
         if cfg.run.sample_tokens > 0 and end > start:
             hooks.print_sample(cfg, run.model(state), source)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (a scheduler's stop): see StopRequests
-        for work in due:  # the last finished step's save and row
-            work()
+        run_due(due)  # the last finished step's save and row
         # the state after the last finished step: a checkpoint of it (and the one in flight), then stop
         if any(x.is_deleted() for x in jax.tree.leaves(state)):  # inside a step that took (donated) it
             print("\njaxdist: interrupted inside a step; the newest checkpoint is the one to resume from")
@@ -371,6 +379,9 @@ def _train(
             done = int(host_value(state.step))  # the state's own count: the interrupt may precede the loop's
             print(f"\njaxdist: interrupted; saving step {done}")
             save(done)
+        row_due = stepped % max(1, cfg.run.log_every) == 0 or stepped == start + 1
+        if stepped > rows["through"] and row_due:  # a second Ctrl-C before the newest step's row was due
+            log_row(stepped - 1, [metrics["loss"]], metrics, evaluate=False)
         raise
     finally:
         heap.release()
