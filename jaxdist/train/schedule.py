@@ -3,8 +3,9 @@
 The length (`optim.decay_steps`) belongs to the run, not to one invocation: it
 defaults to `run.steps` of the run's first invocation and is stored in every
 checkpoint, so resuming with a larger `run.steps` extends the run without
-changing the learning rate of any step. Changing `optim.decay_steps` on resume
-is allowed and reported: the schedule changes from the resume step.
+changing the learning rate of any step. Changing `optim.decay_steps` (or the
+peak, warmup or floor) on resume is allowed and reported: the schedule changes
+from the resume step.
 """
 
 from __future__ import annotations
@@ -37,8 +38,24 @@ def decay_steps(cfg: TrainConfig, resumed: dict | None, start: int) -> int:
     asked = cfg.optim.decay_steps
     if resumed is None:
         return asked or cfg.run.steps
+    _report_changes(cfg.optim, resumed, start)
     saved = saved_decay_steps(resumed)
     if asked is None or asked == saved:
         return saved
     warn(f"optim.decay_steps changes from {saved} to {asked}: the learning-rate schedule changes from step {start}")
     return asked
+
+
+SCHEDULE_KEYS = ("lr", "warmup_steps", "min_lr_ratio")  # the schedule's shape, besides its length
+
+
+def _report_changes(o: OptimConfig, resumed: dict, start: int) -> None:
+    """Warn of each schedule setting a resume changes (allowed: a run may lower its learning rate)."""
+    saved = (resumed.get("config") or {}).get("optim") or {}
+    changes = [
+        f"optim.{k} {saved[k]:g} -> {getattr(o, k):g}"
+        for k in SCHEDULE_KEYS
+        if k in saved and saved[k] != getattr(o, k)
+    ]
+    if changes:
+        warn(f"the learning-rate schedule changes from step {start} ({', '.join(changes)}) against the checkpoint's")
