@@ -334,12 +334,14 @@ class Checkpoints:
                     if jax.process_count() > 1:
                         raise self._read_failed_on_this_process(step, e) from e
                     reason = first_line(e)
+            older = step != steps[-1]  # whether one older is left to try
             if not self.read_only:
-                self._set_aside(step, reason)
+                self._set_aside(step, reason, older)
             elif (self.directory / str(step)).is_dir():
                 self._unverified.pop(step, None)
                 where = self.directory / str(step)
-                warn(f"checkpoint {where} is unreadable ({reason}); left in place, the previous one is used")
+                then = "the previous one is tried" if older else "there is none older"
+                warn(f"checkpoint {where} is unreadable ({reason}); left in place, {then}")
         return None
 
     def _read_failed_on_this_process(self, step: int, e: Exception) -> CheckpointError:
@@ -374,7 +376,7 @@ class Checkpoints:
         self._verified.add(step)
         return None
 
-    def _set_aside(self, step: int, reason: str) -> None:
+    def _set_aside(self, step: int, reason: str, older: bool = True) -> None:
         """Move checkpoint `step` into `unreadable_dir` (never over one set aside before: nothing is deleted)."""
         self._verified.discard(step)
         target, copies = self.unreadable_dir / str(step), 1
@@ -385,7 +387,8 @@ class Checkpoints:
         if name := self._unverified.pop(step, None):  # its data files may be good: say how to use them anyway
             what = "cannot be verified"
             advice = f"; if you trust its files, delete {target / name} and move {target} back to {source}"
-        warn(f"checkpoint {source} {what} ({reason}); moved to {target}; the previous one is used instead{advice}")
+        then = "the previous one is tried instead" if older else "there is none older"
+        warn(f"checkpoint {source} {what} ({reason}); moved to {target}; {then}{advice}")
 
         def move() -> None:
             target.parent.mkdir(exist_ok=True)

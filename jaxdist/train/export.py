@@ -64,21 +64,32 @@ def read_params(run_dir: str | Path, step: int | None = None) -> tuple[int, dict
     """(step, metadata, parameters as host arrays) of checkpoint `step` of `run_dir` (default: the newest
     whose files verify against their checksums; each newer one is skipped with a warning and left in place).
     Raises a one-line CheckpointError when there is none."""
+    step, (meta, params) = _newest_readable(run_dir, step, lambda ckpt, s: (ckpt.meta(s), ckpt.restore_params(s)))
+    return step, meta, params
+
+
+def _newest_readable(run_dir: str | Path, step: int | None, read) -> tuple[int, object]:
+    """(step, read(ckpt, step)) of checkpoint `step` of `run_dir`, or of the newest that verifies and reads;
+    a one-line CheckpointError saying why there is none."""
     if not (Path(run_dir) / "checkpoints").is_dir():  # checked first: opening one would create it
         raise CheckpointError(f"{Path(run_dir).absolute()} holds no checkpoints/; check the run directory")
     # read-only: the run may be training meanwhile, and reading must never move or delete a checkpoint
     ckpt = Checkpoints(run_dir, keep=1 << 30, read_only=True)
     try:
-        found = ckpt.newest_readable(
-            lambda s: (ckpt.meta(s), ckpt.restore_params(s)), below=None if step is None else step + 1
-        )
-        if found is None or (step is not None and found[0] != step):
-            which = "readable checkpoint" if step is None else f"readable checkpoint of step {step}"
-            raise CheckpointError(f"{ckpt.directory} holds no {which}; check the run directory")
+        steps = sorted(ckpt.manager.all_steps())
+        found = ckpt.newest_readable(lambda s: read(ckpt, s), below=None if step is None else step + 1)
     finally:
         ckpt.close()
-    step, (meta, params) = found
-    return step, meta, params
+    if found is not None and (step is None or found[0] == step):
+        return found
+    if not steps:
+        why = "no checkpoint yet (a run saves one every run.checkpoint_every steps and at its end)"
+    elif step is not None and step not in steps:
+        why = f"no checkpoint of step {step} (it has steps {', '.join(map(str, steps))})"
+    else:
+        which = "" if step is None else f" of step {step}"
+        why = f"no readable checkpoint{which} (the warnings above say what is wrong with each)"
+    raise CheckpointError(f"{ckpt.directory} holds {why}")
 
 
 def load_params(path: str | Path, like: nnx.State) -> nnx.State:
@@ -141,20 +152,9 @@ def export_hf(
     out = Path(out).absolute()
     if out.exists():
         raise CheckpointError(f"{out} already exists; pick a new output path or remove it")
-    if not (Path(run_dir) / "checkpoints").is_dir():
-        raise CheckpointError(f"{Path(run_dir).absolute()} holds no checkpoints/; check the run directory")
-    ckpt = Checkpoints(run_dir, keep=1 << 30, read_only=True)
-    try:
-        found = ckpt.newest_readable(
-            lambda s: (ckpt.meta(s), ckpt.restore_params_onto(s, _spread_over_devices)),
-            below=None if step is None else step + 1,
-        )
-        if found is None or (step is not None and found[0] != step):
-            which = "readable checkpoint" if step is None else f"readable checkpoint of step {step}"
-            raise CheckpointError(f"{ckpt.directory} holds no {which}; check the run directory")
-    finally:
-        ckpt.close()
-    step, (meta, params) = found
+    step, (meta, params) = _newest_readable(
+        run_dir, step, lambda ckpt, s: (ckpt.meta(s), ckpt.restore_params_onto(s, _spread_over_devices))
+    )
     record = meta.get("model") or {}
     if record.get("family") not in ("llama", "gemma"):
         raise CheckpointError(

@@ -1,5 +1,5 @@
 """Which read failures set a checkpoint aside (`Checkpoints.newest_readable`): one that says the
-checkpoint is bad does, and the previous one is used; running out of memory says nothing about a
+checkpoint is bad does, and the previous one is tried; running out of memory says nothing about a
 checkpoint whose files verified, so it stops the resume on one line and leaves the checkpoint in place."""
 
 import shutil
@@ -83,9 +83,8 @@ def test_a_damaged_checksum_file_is_neither_trusted_nor_lost_and_the_warning_nam
     err = capfd.readouterr().err
     aside = two_saves.unreadable_dir / "2"
     assert err.count("\n") == 1 and f"checkpoints/2 cannot be verified (its checksum file {CHECKSUMS} is damaged" in err
-    assert (
-        f"moved to {aside}; the previous one is used instead; if you trust its files, delete {aside / CHECKSUMS}" in err
-    )
+    tried = f"moved to {aside}; the previous one is tried instead"
+    assert f"{tried}; if you trust its files, delete {aside / CHECKSUMS}" in err
     for name, raw in files.items():  # nothing lost: every data file kept as it was
         if name.name != CHECKSUMS:
             assert (aside / name).read_bytes() == raw

@@ -47,3 +47,22 @@ def test_export_of_a_missing_run_directory_fails_on_one_line_and_creates_nothing
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds no checkpoints" in err
     assert not missing.exists() and not (tmp_path / "out").exists()
+
+
+def test_export_says_what_is_missing_a_checkpoint_yet_a_step_or_a_readable_one(tmp_path, capsys):
+    """It said 'holds no readable checkpoint; check the run directory' for a run that had simply not
+    saved yet, and the set-aside warning said 'the previous one is used' where there was none."""
+    run = tmp_path / "run"
+    Checkpoints(run, keep=3).close()  # a run that has made its checkpoints/ and saved nothing yet
+    assert main(["export", str(run), str(tmp_path / "out")]) == 2
+    assert "holds no checkpoint yet (a run saves one every run.checkpoint_every steps" in capsys.readouterr().err
+    ckpt = Checkpoints(run, keep=3)
+    ckpt.save(2, {"w": np.ones(4, np.float32)}, {})
+    ckpt.close()
+    assert main(["export", str(run), str(tmp_path / "out"), "--step", "1"]) == 2
+    assert "holds no checkpoint of step 1 (it has steps 2)" in capsys.readouterr().err
+    data = max((p for p in (run / "checkpoints" / "2").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    assert main(["export", str(run), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "left in place, there is none older" in err and "holds no readable checkpoint (the warnings above" in err
