@@ -43,6 +43,7 @@ import dataclasses
 import functools
 
 import numpy as np
+from flax import nnx
 
 from jaxdist.engine.run import EngineParts, Parallel, PartsRun, Units
 from jaxdist.pipeline import schedule as ps
@@ -157,9 +158,16 @@ class PipelineRun(PartsRun):
         self.stage_variants, variant_starts = stage_variants(split.block_kinds, per_stage, stages)
         self.plan = tick_plan(self.table, keep=cfg.keeps_activations, variants=self.stage_variants)
         if not split.outer_state.empty or any(not ms.empty for ms in split.block_states):
+            held = [
+                f"{'/'.join(map(str, path))} ({type(v).__name__ if isinstance(v, nnx.Variable) else 'an array'})"
+                for path, v in split.rest.flat_state()
+            ]
             raise ValueError(
-                "Pipelined: models with non-parameter variables (dropout RNG streams, batch statistics) are not "
-                "supported with a pipeline axis yet"
+                f"Pipelined: the model holds non-parameter variables ({', '.join(held[:3])}"
+                f"{f' and {len(held) - 3} more' if len(held) > 3 else ''}), which a pipeline axis does not support "
+                "yet: dropout RNG streams, batch statistics, and constants (a RoPE table, a frozen weight as an "
+                "nnx.Variable); compute a table in the call, keep a frozen weight as an nnx.Param frozen by the "
+                "optimizer (optax.set_to_zero), or train without the pp axis"
             )
         rank = process_pp_rank(self.mesh, cfg.pp_axis) if cfg.per_rank_programs else None
         grads = ScheduleGrads(

@@ -5,6 +5,7 @@ parameters, a weight tied between the embed on the first stage and the head on t
 momentum after an active global-norm clip, and the documented restrictions as clear errors.
 """
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -93,4 +94,10 @@ def test_pipeline_restrictions_are_clear_errors():
         Pipelined(mesh, microbatches=2).prepare(
             OddMLP(nnx.Rngs(0), layers=2), optax.sgd(0.1), ODD_UNITS, odd_batches(1, rows=6)[0]
         )
+    # a constant table a block holds: named, with what to do (the message spoke of dropout and BatchNorm only)
+    with_table = OddMLP(nnx.Rngs(0), layers=2)
+    with_table.layers[0].table = jnp.arange(3.0)
+    said = "non-parameter variables \\(layers/0/table \\(an array\\)\\).*compute a table"
+    with pytest.raises(ValueError, match=said):
+        Pipelined(mesh, microbatches=2).prepare(with_table, optax.sgd(0.1), ODD_UNITS, data)
     np.testing.assert_equal(len(Pipelined(mesh, microbatches=2).table().ticks) > 0, True)
