@@ -198,6 +198,10 @@ def _guarded(name: str):
         _REACHED.append(False)
         try:
             out = getattr(super(type(self), self), name)(*args, **kwargs)
+        except (TypeError, ValueError) as e:
+            if str(e).startswith(("TPPlan", "Parallel")):  # jaxdist's own word on it
+                raise
+            raise _own_code_failed(self, name, e, reached=_REACHED[-1]) from e
         finally:
             reached = _REACHED.pop()
         if not reached:
@@ -211,6 +215,24 @@ def _guarded(name: str):
 
     method.__name__ = name
     return method
+
+
+def _own_code_failed(layer, name: str, e: Exception, reached: bool) -> ValueError:
+    """A placed subclass's own code failing on this rank's pieces: say which layer, and the likely cause."""
+    cls, base = type(layer).__mro__[1].__name__, _base_of(type(layer)).__name__
+    where = f"TPPlan: {layer._jaxdist_path} ({cls}, a subclass of nnx.{base})"
+    cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if reached:
+        return ValueError(
+            f"{where}: its own {name} failed around super().{name}, whose result is this tp rank's slice ({cause}); "
+            "a part of the layer jaxdist does not split (a LoRA branch, a second weight) met that slice: make that "
+            "part a layer of its own in the plan, or leave this layer out of it"
+        )
+    return ValueError(
+        f"{where}: its own {name} failed before calling super().{name} ({cause}); jaxdist splits the weight for "
+        f"nnx.{base}.{name}, so a layer reading its weight itself (a transposed kernel) meets this rank's slice: "
+        f"call super().{name}, or leave the layer out of the plan"
+    )
 
 
 def _array_arg(args, kwargs):
@@ -245,7 +267,7 @@ def _any_row(self, *args, **kwargs):
     _check_features(self, args[where] if isinstance(where, int) else kwargs.get(where), "row", equation)
     y = self._jaxdist_tp.leave(type(self).__mro__[1].__call__(WithoutBias(self), *args, **kwargs))
     bias = getattr(self, "bias", None)
-    if not isinstance(bias, nnx.Param):
+    if not isinstance(bias, nnx.Variable):  # what WithoutBias hid (a frozen bias too), added once after the sum
         return y
     return y + jnp.reshape(bias[...], (1,) * (y.ndim - 1) + (-1,)).astype(y.dtype)
 

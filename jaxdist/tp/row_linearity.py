@@ -3,11 +3,17 @@ rank's slice of the input and of its weight, and the ranks' results are summed a
 the call is linear in its weight. A bias is added once after the sum if it is named `bias` (the call
 sees none); a bias of another name, or an activation inside the layer, would be added or applied on
 every rank before the sum, silently wrong. `check_row_layer` reads the call's jaxpr at `prepare` and
-refuses such a layer, naming what it does to the product."""
+refuses such a layer, naming what it does to the product. It follows the weight through inner jits,
+remat, custom derivatives, conds and loops; zeros (a masked `jnp.where`, a sum started from zero) are
+linear; the layer's own methods see the view, so a helper that adds `self.bias` adds none."""
 
 from __future__ import annotations
 
+import inspect
+import types
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.extend import core as jex_core
@@ -24,25 +30,33 @@ _ONE_FACTOR = {"mul", "dot_general", "conv_general_dilated"}  # linear in whiche
 _SUMS = {"add", "sub", "add_any"}
 _ALL_OR_NONE = {"concatenate", "dynamic_update_slice"}
 _PASS_THROUGH = {"optimization_barrier"}  # each output is its operand
-_CONTROL_FLOW = {"scan", "while", "cond"}  # not followed: such a layer is not checked
+_SPLITS = {"split", "unstack"}  # several outputs, each linear in the one operand
 
 
 class WithoutBias:
-    """A view of a layer without its bias, so the layer's own code computes the product alone; with
-    `weight=(name, value)`, that value in place of the named weight."""
+    """A view of a layer without its bias (a `bias` variable, which the caller adds after the sum), so the
+    layer's own code computes the product alone; with `weight=(name, value)`, that value in place of the
+    named weight. The layer's methods and properties run on the view too (a helper reading `self.bias`)."""
 
     def __init__(self, module, weight: tuple[str, object] | None = None):
         object.__setattr__(self, "_module", module)
         object.__setattr__(self, "_weight", weight)
 
     def __getattr__(self, name):
-        if name == "bias":
+        hidden = isinstance(getattr(self._module, "bias", None), nnx.Variable)
+        if name == "bias" and hidden:
             return None
-        if name == "use_bias":
+        if name == "use_bias" and hidden:
             return False
         if self._weight is not None and name == self._weight[0]:
             return self._weight[1]
-        return getattr(self._module, name)
+        attr = inspect.getattr_static(type(self._module), name, None)
+        if isinstance(attr, property):
+            return attr.fget(self)
+        value = getattr(self._module, name)
+        if inspect.ismethod(value) and value.__self__ is self._module:
+            return types.MethodType(value.__func__, self)
+        return value
 
 
 def check_row_layer(module, placement, where: str, args: tuple, kwargs: dict) -> None:
@@ -55,19 +69,21 @@ def check_row_layer(module, placement, where: str, args: tuple, kwargs: dict) ->
     weight = getattr(module, param, None) if param else None
     if not isinstance(weight, nnx.Variable):
         return
-    clone = nnx.merge(*nnx.split(module))  # whatever the call writes (an RNG count) stays off the model
+    graphdef, state = nnx.split(module)
 
-    def product(w):
-        return call(WithoutBias(clone, (param, nnx.Param(w))), *args, **kwargs)
+    def product(w):  # on a copy made inside the trace: what the call writes (an RNG count) stays off the model
+        return call(WithoutBias(nnx.merge(graphdef, state), (param, nnx.Param(w))), *args, **kwargs)
 
     try:
         closed = jax.make_jaxpr(product)(weight[...])
     except Exception:  # noqa: BLE001 (the layer's own call raises its own error, where it runs for real)
-        _check_reads_bias(module, clone, call, where, args, kwargs)
+        _check_reads_bias(module, nnx.merge(graphdef, state), call, where, args, kwargs)
         return
     names = _param_names(module, closed.consts)
     jaxpr = closed.jaxpr
     found = _nonlinear_use(jaxpr, {jaxpr.invars[0]}, names)
+    if found is None and not any(_dependent_outputs(jaxpr, [True])):
+        found = f"does not compute its output from {param!r} where jaxdist can see it"
     if found:
         cls = call.__qualname__.rsplit(".", 1)[0]
         raise ValueError(
@@ -103,7 +119,7 @@ def _param_names(module, consts) -> dict[int, str]:
     return {i: by_id[id(c)] for i, c in enumerate(consts) if id(c) in by_id}
 
 
-def _nonlinear_use(jaxpr, dependent: set, names: dict[int, str]) -> str | None:
+def _nonlinear_use(jaxpr, dependent: set, names: dict[int, str], zero_inputs: frozenset = frozenset()) -> str | None:
     """What the jaxpr does to the values in `dependent` (its weight and what is computed from it) that is
     not linear, in words; None if nothing. Values are followed through calls of inner jaxprs."""
     dependent = set(dependent)
@@ -113,8 +129,15 @@ def _nonlinear_use(jaxpr, dependent: set, names: dict[int, str]) -> str | None:
     def dep(v) -> bool:
         return isinstance(v, jex_core.Var) and v in dependent
 
+    zeros = set(zero_inputs)  # values that are zero everywhere (jnp.zeros, a zero broadcast)
+
     def zero(v) -> bool:
-        return isinstance(v, jex_core.Literal) and not np.any(np.asarray(v.val))
+        if isinstance(v, jex_core.Literal):
+            return not np.any(np.asarray(v.val))
+        return v in zeros
+
+    def from_weight_or_zero(invars, flags) -> bool:
+        return all(f or zero(v) for v, f in zip(invars, flags, strict=True))
 
     def what(v) -> str:
         if not isinstance(v, jex_core.Var):
@@ -125,15 +148,36 @@ def _nonlinear_use(jaxpr, dependent: set, names: dict[int, str]) -> str | None:
     for eqn in jaxpr.eqns:
         flags = [dep(v) for v in eqn.invars]
         if not any(flags):
-            if eqn.primitive.name in _LINEAR_IN_FIRST and isinstance(eqn.invars[0], jex_core.Var):
-                origin[eqn.outvars[0]] = origin.get(eqn.invars[0], eqn.invars[0])
+            if eqn.primitive.name in _LINEAR_IN_FIRST and eqn.invars:
+                if zero(eqn.invars[0]):
+                    zeros.update(eqn.outvars)
+                elif isinstance(eqn.invars[0], jex_core.Var):
+                    origin[eqn.outvars[0]] = origin.get(eqn.invars[0], eqn.invars[0])
             continue
         prim = eqn.primitive.name
-        if prim in _CONTROL_FLOW:
-            return None
+        if prim in ("scan", "while"):
+            found, outs = _loop(eqn, flags, zero)
+            if found:
+                return found
+            dependent.update(o for o, d in zip(eqn.outvars, outs, strict=True) if d)
+            continue
+        if prim == "cond":  # each branch takes the operands after the index
+            if flags[0]:
+                return "chooses a branch by the product"
+            for branch in eqn.params["branches"]:
+                inputs = {v for v, f in zip(branch.jaxpr.invars, flags[1:], strict=True) if f}
+                found = _nonlinear_use(branch.jaxpr, inputs, {})
+                if found:
+                    return found
+            by_branch = [_dependent_outputs(b.jaxpr, flags[1:]) for b in eqn.params["branches"]]
+            outs = [any(o) for o in zip(*by_branch, strict=True)]
+            dependent.update(o for o, d in zip(eqn.outvars, outs, strict=True) if d)
+            continue
         inner_jaxpr = _inner_jaxpr(eqn)
         if inner_jaxpr is not None:
-            found = _nonlinear_use(inner_jaxpr, {iv for iv, f in zip(inner_jaxpr.invars, flags, strict=True) if f}, {})
+            pairs = list(zip(inner_jaxpr.invars, flags, eqn.invars, strict=True))
+            inner_zeros = frozenset(iv for iv, f, v in pairs if not f and zero(v))
+            found = _nonlinear_use(inner_jaxpr, {iv for iv, f, _ in pairs if f}, {}, inner_zeros)
             if found:
                 return found
             outs = _dependent_outputs(inner_jaxpr, flags)
@@ -142,14 +186,17 @@ def _nonlinear_use(jaxpr, dependent: set, names: dict[int, str]) -> str | None:
         if prim in _PASS_THROUGH:
             dependent.update(o for o, f in zip(eqn.outvars, flags, strict=True) if f)
             continue
+        if prim in _SPLITS and not any(flags[1:]):
+            dependent.update(eqn.outvars)
+            continue
+        to_number = prim != "convert_element_type" or jnp.issubdtype(eqn.params["new_dtype"], jnp.inexact)
         ok = (
-            (prim in _LINEAR_IN_FIRST and not any(flags[1:]))
+            (prim in _LINEAR_IN_FIRST and not any(flags[1:]) and to_number)
             or (prim == "pad" and flags == [True, False] and zero(eqn.invars[1]))
             or (prim in _ONE_FACTOR and sum(flags) == 1)
             or (prim == "div" and flags == [True, False])
-            or (prim in _SUMS and (all(flags) or any(zero(v) for v in eqn.invars)))
-            or (prim in _ALL_OR_NONE and all(flags))
-            or (prim == "select_n" and not flags[0] and all(flags[1:]))
+            or (prim in _SUMS | _ALL_OR_NONE and from_weight_or_zero(eqn.invars, flags))
+            or (prim == "select_n" and not flags[0] and from_weight_or_zero(eqn.invars[1:], flags[1:]))
         )
         if not ok:
             if prim in _SUMS:
@@ -160,6 +207,37 @@ def _nonlinear_use(jaxpr, dependent: set, names: dict[int, str]) -> str | None:
             return f"applies {prim}, which is not linear, to the product"
         dependent.update(eqn.outvars)
     return None
+
+
+def _loop(eqn, flags: list[bool], zero) -> tuple[str | None, list[bool]]:
+    """(what a scan's or while loop's body does that is not linear, or None; which outputs come from the
+    weight). A carry the body feeds from the weight comes from it in every iteration (found by iterating
+    to a fixed point); such a carry must start from the weight or from zero (a sum)."""
+    if eqn.primitive.name == "scan":
+        body, n_consts, n_carry = eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"], eqn.params["num_carry"]
+        cond = None
+    else:
+        cond, body = eqn.params["cond_jaxpr"].jaxpr, eqn.params["body_jaxpr"].jaxpr
+        n_cond, n_consts = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        flags, invars = flags[n_cond:], eqn.invars[n_cond:]  # the cond's constants: used by the cond alone
+        n_carry = len(eqn.outvars)
+    invars = eqn.invars if cond is None else invars
+    carried = slice(n_consts, n_consts + n_carry)
+    f = list(flags)
+    for _ in range(n_carry + 1):
+        outs = _dependent_outputs(body, f)
+        new = f[:n_consts] + [a or b for a, b in zip(f[carried], outs[:n_carry], strict=True)] + f[carried.stop :]
+        if new == f:
+            break
+        f = new
+    for v, was, now in zip(invars[carried], flags[carried], f[carried], strict=True):
+        if now and not was and not zero(v):
+            return "adds to the product a value a loop starts from", []
+    if cond is not None and any(_dependent_outputs(cond, [False] * (len(cond.invars) - n_carry) + f[carried])):
+        return "decides a loop by the product", []
+    found = _nonlinear_use(body, {v for v, d in zip(body.invars, f, strict=True) if d}, {})
+    outs = _dependent_outputs(body, f)
+    return found, (outs[:n_carry] if cond is not None else outs)
 
 
 def _inner_jaxpr(eqn):

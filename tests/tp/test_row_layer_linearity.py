@@ -23,9 +23,13 @@ class Dense(nnx.Module):
     def __init__(self, din: int, dout: int, form: str, rngs: nnx.Rngs):
         self.form = form
         self.w = nnx.Param(jax.random.normal(rngs.params(), (din, dout)) / np.sqrt(din))
-        name = "b" if form == "b" else "bias"
+        name = "b" if form in ("b", "use_bias") else "bias"
         setattr(self, name, nnx.Param(jnp.full((dout,), 0.3)))
         self.gain = nnx.Param(jnp.array(1.3))
+        self.use_bias = True
+
+    def _with_bias(self, y):  # a helper reading the bias: it must see the view's (none)
+        return y + self.bias[...] if self.bias is not None else y
 
     def __call__(self, x):
         y = x @ self.w[...]
@@ -35,7 +39,12 @@ class Dense(nnx.Module):
             return jax.nn.gelu(y)
         if self.form == "unguarded":
             return y + self.bias[...]
-        return y * self.gain[...] + (self.bias[...] if self.bias is not None else 0)  # "linear"
+        if self.form == "use_bias":  # a flag jaxdist's view sets off only where it hides a bias named bias
+            return y + self.b[...] if self.use_bias else y
+        if self.form == "loop":
+            return jax.lax.fori_loop(0, 2, lambda i, v: jax.nn.relu(v), y)
+        kept = jnp.arange(y.shape[-1]) % 3 != 0  # "linear": an output mask, a gain, the bias in a helper
+        return self._with_bias(jnp.where(kept, y, 0.0) * self.gain[...])
 
 
 class Net(nnx.Module):
@@ -82,6 +91,8 @@ def prepare(form: str):
         ("b", "it adds the parameter 'b' to the product"),
         ("gelu", "applies integer_pow, which is not linear, to the product"),
         ("unguarded", "its call fails where its `bias` is None"),
+        ("use_bias", "it adds the parameter 'b' to the product"),
+        ("loop", "applies max, which is not linear, to the product"),
     ],
 )
 def test_a_row_layer_whose_call_is_not_linear_in_its_weight_is_refused_naming_what_it_does(form, said):
@@ -90,7 +101,7 @@ def test_a_row_layer_whose_call_is_not_linear_in_its_weight_is_refused_naming_wh
     assert said in str(e.value), str(e.value)
 
 
-def test_a_row_layer_linear_in_its_weight_with_a_guarded_bias_and_a_gain_trains_as_on_one_device():
+def test_a_row_layer_linear_in_its_weight_with_a_mask_a_gain_and_its_bias_in_a_helper_trains_as_on_one_device():
     run = prepare("linear")
     state, losses, norms = run.state, [], []
     for batch in BATCHES:
