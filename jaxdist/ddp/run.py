@@ -99,8 +99,8 @@ class DDP:
         the sum over every rank and micro-batch divided by their total count,
         the single-device mean over real tokens (a mean of per-rank means is
         not, when ranks or micro-batches hold different counts).
-      skip_nonfinite: when any gradient is NaN/Inf, keep parameters and
-        optimizer state unchanged and report `skipped=True`.
+      skip_nonfinite: when any gradient or the loss is NaN/Inf, keep
+        parameters and optimizer state unchanged and report `skipped=True`.
       max_grad_norm: clip the reduced gradient to this global L2 norm (the
         same as `optax.clip_by_global_norm` first in a chain).
       overlap_grad_reduce: start each bucket's reduction during backward.

@@ -191,7 +191,7 @@ class Options:
 
     @property
     def skips_nonfinite(self) -> bool:
-        """Whether a step with a NaN/Inf gradient norm is skipped (`skip_nonfinite`, resolved)."""
+        """Whether a step with a NaN/Inf gradient norm or loss is skipped (`skip_nonfinite`, resolved)."""
         return self.skip_nonfinite if self.skip_nonfinite is not None else not self.update_in_backward
 
     def axis_roles(self) -> dict[str, str]:

@@ -65,6 +65,11 @@ def _off_mesh(a):
     """A replicated array's value on the host (a program closes over it as a constant of no mesh)."""
     if not isinstance(a, jax.Array):
         return a
+    if not (a.is_fully_addressable or a.sharding.is_fully_replicated):
+        raise ValueError(
+            f"Parallel: stacked layers hold a non-parameter variable of shape {a.shape} split across processes; "
+            "keep such variables replicated, or pass the blocks as a list (Units(stacked=False))"
+        )
     return np.asarray(a if a.is_fully_addressable else a.addressable_data(0))
 
 

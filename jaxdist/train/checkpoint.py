@@ -92,6 +92,22 @@ def _type_handlers():
     return ocp.type_handlers.create_type_handler_registry(*handlers)
 
 
+def _tell_peers(directory: str, key: str, value: str) -> dict[str, str]:
+    """Set `directory + key` to `value` in jax's key-value store and return what other processes had set
+    there before (by key); empty without a store (one process) or when it cannot be reached."""
+    from jax._src import distributed
+
+    client = getattr(distributed.global_state, "client", None)
+    if client is None:
+        return {}
+    try:
+        before = {k.rsplit("/", 1)[-1]: v for k, v in client.key_value_dir_get(directory)}
+        client.key_value_set(directory + key, value)
+    except Exception:  # noqa: BLE001 (the store is gone with the run: the process's own error is said)
+        return {}
+    return {k: v for k, v in before.items() if k != key}
+
+
 def _out_of_memory(e: BaseException) -> bool:
     """Whether `e` is the host or a device running out of memory (XLA says RESOURCE_EXHAUSTED, as tensorstore
     does for a full disk)."""
@@ -350,13 +366,22 @@ class Checkpoints:
         Other processes may have read it, and wait in the restore's closing barrier (a device
         collective): this process cannot join them in moving it aside (that collective would meet the
         barrier's and hang), and the files are good by process 0's checksums. So the run stops, the
-        checkpoint kept; every process that failed alike says so."""
-        where = self.directory / str(step)
-        return CheckpointError(
-            f"process {jax.process_index()} could not read checkpoint {where} ({first_line(e)}); its files matched "
-            "their checksums on process 0, so it is left in place: check this host's view of the directory "
-            f"and resume, or move {where} away to resume from the checkpoint before it"
+        checkpoint kept; every process that failed alike says so. One whose read a failed peer cut off (the
+        collective it waited in broke) names that peer and its error, which the peer left in jax's
+        key-value store before it ended."""
+        where, rank, said = self.directory / str(step), jax.process_index(), first_line(e)
+        peers = _tell_peers(f"jaxdist/read_failed/{step}/", str(rank), said)
+        keep = (
+            "its files matched their checksums on process 0, so it is left in place: check this host's view of "
+            f"the directory and resume, or move {where} away to resume from the checkpoint before it"
         )
+        if peers:
+            peer, why = min(peers.items())
+            return CheckpointError(
+                f"process {peer} could not read checkpoint {where} ({why}), which ended process {rank}'s read too; "
+                + keep.replace("this host's", f"process {peer}'s host's")
+            )
+        return CheckpointError(f"process {rank} could not read checkpoint {where} ({said}); {keep}")
 
     def _verdict(self, step: int) -> str | None:
         """None if `step`'s files match their checksums, else why not: decided by process 0 for all (it

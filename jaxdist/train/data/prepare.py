@@ -345,8 +345,11 @@ def _check_only_prepared_data(out: Path) -> None:
     if not out.is_dir():
         return
     shard = re.compile(rf"({'|'.join(SPLITS)})-\d{{5}}\.bin")
-    foreign = sorted(
-        p.name for p in out.iterdir() if p.name not in (INDEX, tokenize.TOKENIZER_FILE) and not shard.fullmatch(p.name)
+    ours = (INDEX, tokenize.TOKENIZER_FILE)
+    foreign = sorted(  # hidden names are the system's (.DS_Store, ._index.json, .nfs*), not someone's data
+        p.name
+        for p in out.iterdir()
+        if p.name not in ours and not shard.fullmatch(p.name) and not p.name.startswith(".")
     )
     if foreign:
         listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")

@@ -143,3 +143,12 @@ def test_a_run_directory_whose_data_folder_holds_the_users_files_is_refused_and_
     assert "choose another run.out_dir" in str(e.value) and "\n" not in str(e.value)
     assert sorted(p.name for p in data.iterdir()) == ["corpus.txt", "notes.md"]
     assert (data / "corpus.txt").read_bytes() == CORPUS.read_bytes()
+
+
+def test_the_systems_hidden_files_in_a_prepared_data_folder_are_no_reason_to_refuse_it(tmp_path):
+    from jaxdist.train.data import prepare as prepare_lib
+
+    data = prepare_lib.ensure_prepared([CORPUS], tmp_path / "data", tokenizer="bytes", val_fraction=0.1, progress=False)
+    for name in (".DS_Store", "._index.json", ".nfs000000000001"):  # macOS, SMB/exFAT, NFS leave these
+        (data / name).write_bytes(b"\0")
+    prepare_lib.ensure_prepared([CORPUS], data, tokenizer="bytes", val_fraction=0.2, progress=False)  # prepared again
