@@ -116,10 +116,10 @@ def tp_summed(
             cause = f"{type(own).__name__}: {str(own).rstrip('.')}"
             raise ValueError(
                 f"Parallel: {who} failed on this tp rank's chunk of the tokens (sequence_parallel: its activations "
-                f"have shape {x.shape}, the batch's arrays stay whole): {cause}. Its first "
-                "layer must be a tp layer (which gathers the tokens) before the activations meet the batch; or "
-                "slice the batch to the chunk (pass sequence_dim=1 to fix it to the sequence), or turn "
-                "sequence_parallel off"
+                f"have shape {x.shape}, the batch's arrays stay whole): {cause}. If the chunk met a whole "
+                "side input there, its first layer must be a tp layer (which gathers the tokens) before the "
+                "activations meet the batch; or slice the batch to the chunk (pass sequence_dim=1 to fix it to "
+                "the sequence), or turn sequence_parallel off (without it, the unit's own error shows as it is)"
             ) from own
         raise Undecidable(
             f"Parallel: cannot decide which gradients of {who} to sum over tp: tracing it under "
