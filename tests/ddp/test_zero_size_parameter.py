@@ -8,7 +8,8 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from support.reference import train_single_device
+from support.reference import assert_same_training, train_single_device
+from support.runs import train
 
 from jaxdist.ddp.run import DDP
 
@@ -33,9 +34,5 @@ def test_a_size_0_parameter_trains_under_zero1_as_on_one_device(pack_buckets):
     run = DDP(cpu_mesh((4,), ("dp",)), zero1=True, pack_buckets=pack_buckets).prepare(
         WithEmptyPrefix(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, batches[0]
     )
-    state, losses = run.state, []
-    for batch in batches:
-        state, metrics = run.step(state, batch)
-        losses.append(float(metrics["loss"]))
-    ref = train_single_device(lambda: WithEmptyPrefix(nnx.Rngs(0)), loss_fn, batches, optax.sgd(0.1))
-    np.testing.assert_allclose(losses, ref.losses, rtol=1e-6)
+    want = train_single_device(lambda: WithEmptyPrefix(nnx.Rngs(0)), loss_fn, batches, optax.sgd(0.1))
+    assert_same_training(train(run, batches), want)

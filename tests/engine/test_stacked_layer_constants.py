@@ -10,7 +10,8 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from support.reference import train_single_device
+from support.reference import assert_same_training, train_single_device
+from support.runs import train
 
 from jaxdist.engine import units as units_lib
 from jaxdist.engine.fsdp import FSDP
@@ -70,12 +71,8 @@ def test_stacked_layers_with_constants_train_as_on_one_device(strategy):
     else:
         make = Parallel(cpu_mesh((2, 2), ("dp", "fsdp")))
     run = make.prepare(Net(nnx.Rngs(0)), optax.sgd(0.1), UNITS, BATCHES[0])
-    state, losses = run.state, []
-    for batch in BATCHES:
-        state, metrics = run.step(state, batch)
-        losses.append(float(metrics["loss"]))
-    ref = train_single_device(lambda: Net(nnx.Rngs(0)), loss_fn, BATCHES, optax.sgd(0.1))
-    np.testing.assert_allclose(losses, ref.losses, rtol=1e-5)
+    want = train_single_device(lambda: Net(nnx.Rngs(0)), loss_fn, BATCHES, optax.sgd(0.1))
+    assert_same_training(train(run, BATCHES), want)
 
 
 def test_stacked_constants_too_large_to_compile_in_are_refused_naming_the_list_form(monkeypatch):

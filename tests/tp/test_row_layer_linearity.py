@@ -11,7 +11,8 @@ import optax
 import pytest
 from flax import nnx
 from support.meshes import cpu_mesh
-from support.reference import train_single_device
+from support.reference import assert_same_training, train_single_device
+from support.runs import train
 
 from jaxdist.engine.run import Parallel, Units
 from jaxdist.tp import plan as tp_plan
@@ -102,12 +103,5 @@ def test_a_row_layer_whose_call_is_not_linear_in_its_weight_is_refused_naming_wh
 
 
 def test_a_row_layer_linear_in_its_weight_with_a_mask_a_gain_and_its_bias_in_a_helper_trains_as_on_one_device():
-    run = prepare("linear")
-    state, losses, norms = run.state, [], []
-    for batch in BATCHES:
-        state, metrics = run.step(state, batch)
-        losses.append(float(metrics["loss"]))
-        norms.append(float(metrics["grad_norm"]))
-    ref = train_single_device(lambda: Net("linear", nnx.Rngs(0)), loss_fn, BATCHES, optax.sgd(0.1))
-    np.testing.assert_allclose(losses, ref.losses, rtol=1e-5)
-    np.testing.assert_allclose(norms, ref.grad_norms, rtol=1e-5)
+    want = train_single_device(lambda: Net("linear", nnx.Rngs(0)), loss_fn, BATCHES, optax.sgd(0.1))
+    assert_same_training(train(prepare("linear"), BATCHES), want)
