@@ -8,6 +8,8 @@ import functools
 
 from flax import nnx
 
+from jaxdist.tp.row_linearity import check_row_layer
+
 
 def path_key(path) -> tuple:
     """A module path as the plan's keys spell it (list indices as strings)."""
@@ -51,8 +53,6 @@ class CallLog:
         if placement is None or placement.kind != "row" or path in self._checked:
             return
         self._checked.add(path)
-        from jaxdist.tp.row_linearity import check_row_layer  # it imports the plan, which imports this module
-
         check_row_layer(module, placement, "/".join(path), args, kwargs)
 
     def equation(self, module_path: tuple) -> str | None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from flax import nnx
+
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
@@ -128,3 +130,11 @@ class Equation:
 
 
 LINEAR = Equation(".i", "io", ".o")  # nnx.Linear: a kernel (in, out) on the last axis of the input
+
+
+def weight_name(module) -> str | None:
+    """`kernel`, else the module's one parameter of two or more dimensions, else None."""
+    if isinstance(getattr(module, "kernel", None), nnx.Param):
+        return "kernel"
+    found = [k for k, v in vars(module).items() if isinstance(v, nnx.Param) and v.ndim >= 2]
+    return found[0] if len(found) == 1 else None

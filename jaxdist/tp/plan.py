@@ -58,7 +58,16 @@ from collections.abc import Mapping
 from flax import nnx
 
 from jaxdist.tp.call_log import CallLog, path_key
-from jaxdist.tp.placement import LINEAR, Equation, Placement, column, replicated, row, vocab  # noqa: F401
+from jaxdist.tp.placement import (  # noqa: F401
+    LINEAR,
+    Equation,
+    Placement,
+    column,
+    replicated,
+    row,
+    vocab,
+    weight_name,
+)
 from jaxdist.tp.vocab_loss import VocabShardedLogits, cross_entropy  # noqa: F401  (a plan's loss)
 
 
@@ -300,14 +309,6 @@ def _placement_from_split(where: str, module, split: dict) -> Placement:
         "which no placement splits (column: a weight's output axis, row: a contracted axis, vocab: an "
         "nnx.Embed's vocabulary axis); change the annotation or pass overrides={path: placement}"
     )
-
-
-def weight_name(module) -> str | None:
-    """`kernel`, else the module's one parameter of two or more dimensions, else None."""
-    if isinstance(getattr(module, "kernel", None), nnx.Param):
-        return "kernel"
-    found = [k for k, v in vars(module).items() if isinstance(v, nnx.Param) and v.ndim >= 2]
-    return found[0] if len(found) == 1 else None
 
 
 # -- a placed layer resolved on the model ------------------------------------------------

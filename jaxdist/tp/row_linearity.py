@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.extend import core as jex_core
 
-from jaxdist.tp.plan import weight_name
+from jaxdist.tp.placement import weight_name
 
 # primitives linear in their first operand when no other operand comes from the weight
 _LINEAR_IN_FIRST = {
