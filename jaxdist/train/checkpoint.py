@@ -93,19 +93,22 @@ def _type_handlers():
 
 
 def _tell_peers(directory: str, key: str, value: str) -> dict[str, str]:
-    """Set `directory + key` to `value` in jax's key-value store and return what other processes had set
-    there before (by key); empty without a store (one process) or when it cannot be reached."""
+    """Set `directory + key` to `value` in jax's key-value store and return what other processes have set
+    there (by key); empty without a store (one process) or when it cannot be reached."""
     from jax._src import distributed
 
     client = getattr(distributed.global_state, "client", None)
     if client is None:
         return {}
     try:
-        before = {k.rsplit("/", 1)[-1]: v for k, v in client.key_value_dir_get(directory)}
         client.key_value_set(directory + key, value)
+    except Exception:  # noqa: BLE001, S110 (set already, or the store is gone: the peers' word is still read)
+        pass
+    try:
+        found = {k.rsplit("/", 1)[-1]: v for k, v in client.key_value_dir_get(directory)}
     except Exception:  # noqa: BLE001 (the store is gone with the run: the process's own error is said)
         return {}
-    return {k: v for k, v in before.items() if k != key}
+    return {k: v for k, v in found.items() if k != key}
 
 
 def _out_of_memory(e: BaseException) -> bool:
