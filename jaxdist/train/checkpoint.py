@@ -402,6 +402,9 @@ class Checkpoints:
         except Exception as e:
             return first_line(e)
         self._verified.add(step)
+        step_dir = self.directory / str(step)
+        if jax.process_index() == 0 and checksums.recorded_sums(step_dir) is None:
+            warn(f"checkpoint {step_dir} has no checksum file (its save ended before writing it); read unverified")
         return None
 
     def _set_aside(self, step: int, reason: str, older: bool = True) -> None:

@@ -106,9 +106,14 @@ def write_checksums(step_dir: Path, known: dict) -> None:
     tmp.replace(step_dir / CHECKSUMS)  # atomic: a checkpoint has its whole list of sums or none
 
 
+def recorded_sums(step_dir: Path) -> Path | None:
+    """The file of `step_dir`'s checksums, if it has one."""
+    return next((step_dir / n for n in (CHECKSUMS, CHECKSUMS_V1) if (step_dir / n).is_file()), None)
+
+
 def verify(step_dir: Path) -> None:
     """Raise Unreadable if the files in `step_dir` differ from those recorded at save (if recorded)."""
-    recorded = next((step_dir / n for n in (CHECKSUMS, CHECKSUMS_V1) if (step_dir / n).is_file()), None)
+    recorded = recorded_sums(step_dir)
     if recorded is None:
         return  # saved before checksums existed, or the process died right after orbax finished
     expected = read_checksums(recorded)

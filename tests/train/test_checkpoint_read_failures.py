@@ -108,3 +108,12 @@ def test_a_checkpoint_set_aside_twice_at_one_step_keeps_both(two_saves):
     two_saves.wait()
     two_saves.newest_readable(_failing_at(2, ValueError("bad again")))
     assert sorted(p.name for p in two_saves.unreadable_dir.iterdir()) == ["2", "2.2"]
+
+
+def test_a_checkpoint_without_its_checksum_file_is_read_and_said_to_be_unverified(two_saves, capfd):
+    """A save whose process ended between orbax's commit and the checksum file was trusted in silence."""
+    (two_saves.directory / "2" / CHECKSUMS).unlink()
+    assert two_saves.newest_readable(lambda s: s) == (2, 2)
+    assert "checkpoints/2 has no checksum file (its save ended before writing it); read unverified" in (
+        capfd.readouterr().err
+    )
