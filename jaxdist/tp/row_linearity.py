@@ -213,15 +213,15 @@ def _loop(eqn, flags: list[bool], zero) -> tuple[str | None, list[bool]]:
     """(what a scan's or while loop's body does that is not linear, or None; which outputs come from the
     weight). A carry the body feeds from the weight comes from it in every iteration (found by iterating
     to a fixed point); such a carry must start from the weight or from zero (a sum)."""
+    invars = eqn.invars
     if eqn.primitive.name == "scan":
         body, n_consts, n_carry = eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"], eqn.params["num_carry"]
         cond = None
     else:
         cond, body = eqn.params["cond_jaxpr"].jaxpr, eqn.params["body_jaxpr"].jaxpr
         n_cond, n_consts = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-        flags, invars = flags[n_cond:], eqn.invars[n_cond:]  # the cond's constants: used by the cond alone
+        flags, invars = flags[n_cond:], invars[n_cond:]  # the cond's constants: used by the cond alone
         n_carry = len(eqn.outvars)
-    invars = eqn.invars if cond is None else invars
     carried = slice(n_consts, n_consts + n_carry)
     f = list(flags)
     for _ in range(n_carry + 1):
@@ -236,8 +236,7 @@ def _loop(eqn, flags: list[bool], zero) -> tuple[str | None, list[bool]]:
     if cond is not None and any(_dependent_outputs(cond, [False] * (len(cond.invars) - n_carry) + f[carried])):
         return "decides a loop by the product", []
     found = _nonlinear_use(body, {v for v, d in zip(body.invars, f, strict=True) if d}, {})
-    outs = _dependent_outputs(body, f)
-    return found, (outs[:n_carry] if cond is not None else outs)
+    return found, _dependent_outputs(body, f)  # a body's outputs are the loop's (a while's: its carry)
 
 
 def _inner_jaxpr(eqn):
