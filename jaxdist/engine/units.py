@@ -216,7 +216,7 @@ class ModelSplit:
     def resolve_plan(self, cfg: Options, model, batch) -> ResolvedPlan:
         """The plan on the model (`TPPlan.resolve`): from one trace of the units on the model as on one
         device (shapes only), the placed layers' equations and the order each unit calls them in."""
-        units, log = self.units, CallLog(cfg.plan)
+        units, log = self.units, CallLog(cfg.plan, cfg.sequence_parallel)
 
         def trace(params, batch, rest, layer_rest):  # variables enter as inputs: RNG counts mutate in the trace
             model = log.watch(nnx.merge(self.graphdef, params, rest))

@@ -20,8 +20,9 @@ class CallLog:
     """Records, per unit, the placed layers a trace calls, in order, and the equation each is called with:
     those `plan` (a `TPPlan`) places."""
 
-    def __init__(self, plan):
+    def __init__(self, plan, sequence_parallel: bool = False):
         self.plan = plan
+        self.sequence_parallel = sequence_parallel
         self._unit = "the model"
         self._calls: list[tuple[str, tuple, str | None]] = []
         self._checked: set[tuple] = set()
@@ -53,7 +54,7 @@ class CallLog:
         if placement is None or placement.kind != "row" or path in self._checked:
             return
         self._checked.add(path)
-        check_row_layer(module, placement, "/".join(path), args, kwargs)
+        check_row_layer(module, placement, "/".join(path), args, kwargs, self.sequence_parallel)
 
     def equation(self, module_path: tuple) -> str | None:
         """The equation the layer was first called with, if it was called with one."""

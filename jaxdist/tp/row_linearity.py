@@ -59,9 +59,10 @@ class WithoutBias:
         return value
 
 
-def check_row_layer(module, placement, where: str, args: tuple, kwargs: dict) -> None:
+def check_row_layer(module, placement, where: str, args: tuple, kwargs: dict, sequence_parallel: bool = False) -> None:
     """Raise if `module`, placed row parallel by `placement` and of a type jaxdist does not know, has a call
-    (with these arguments, its bias hidden) that is not linear in its weight."""
+    (with these arguments, its bias hidden) that is not linear in its weight, or, under sequence
+    parallelism (where each tp rank draws its own random numbers), that masks the product at random."""
     if isinstance(module, (nnx.Linear, nnx.Einsum, nnx.Embed)):  # jaxdist's own row layers add the bias
         return
     param = placement.param or weight_name(module)
@@ -70,43 +71,51 @@ def check_row_layer(module, placement, where: str, args: tuple, kwargs: dict) ->
     if not isinstance(weight, nnx.Variable):
         return
     graphdef, state = nnx.split(module)
+    cls = call.__qualname__.rsplit(".", 1)[0]
 
-    def product(w):  # on a copy made inside the trace: what the call writes (an RNG count) stays off the model
-        return call(WithoutBias(nnx.merge(graphdef, state), (param, nnx.Param(w))), *args, **kwargs)
+    def copy():  # made inside the trace, new variables: what the call writes (an RNG count) stays off the model
+        return nnx.merge(graphdef, jax.tree.map(lambda v: v, state))
+
+    def product(w):
+        return call(WithoutBias(copy(), (param, nnx.Param(w))), *args, **kwargs)
 
     try:
         closed = jax.make_jaxpr(product)(weight[...])
-    except Exception:  # noqa: BLE001 (the layer's own call raises its own error, where it runs for real)
-        _check_reads_bias(module, nnx.merge(graphdef, state), call, where, args, kwargs)
-        return
+    except Exception as without_bias:  # noqa: BLE001 (unless the call runs with its bias: then its own error is the one)
+        try:
+            jax.eval_shape(lambda: call(copy(), *args, **kwargs))
+        except Exception:  # noqa: BLE001
+            return
+        if isinstance(getattr(module, "bias", None), nnx.Variable):
+            raise ValueError(
+                f"TPPlan: {where} ({cls}) is row parallel, and its call fails where its `bias` is None: jaxdist runs "
+                "the call without the bias on each tp rank's slice and adds the bias once after summing the ranks' "
+                "results; let the call skip it (`if self.bias is not None: ...`)"
+            ) from without_bias
+        raise ValueError(
+            f"TPPlan: {where} ({cls}) is row parallel, and jaxdist could not trace its call with {param!r} as an "
+            f"input to check that it is linear in it ({type(without_bias).__name__}: {without_bias}); place the "
+            "layer otherwise, or use a flax layer (nnx.Linear, nnx.Einsum) for it"
+        ) from without_bias
     names = _param_names(module, closed.consts)
     jaxpr = closed.jaxpr
     found = _nonlinear_use(jaxpr, {jaxpr.invars[0]}, names)
     if found is None and not any(_dependent_outputs(jaxpr, [True])):
         found = f"does not compute its output from {param!r} where jaxdist can see it"
+    if found is None and sequence_parallel and _random_meets_weight(jaxpr, ["w"])[0]:
+        raise ValueError(
+            f"TPPlan: {where} ({cls}) is row parallel and applies random numbers (a dropout) to its product; under "
+            "sequence parallelism each tp rank draws its own, so the ranks' partial results would be masked "
+            "differently before they are summed. Apply the dropout after the layer (its output is then this rank's "
+            "tokens), or turn sequence_parallel off (every tp rank then draws the same mask)"
+        )
     if found:
-        cls = call.__qualname__.rsplit(".", 1)[0]
         raise ValueError(
             f"TPPlan: {where} ({cls}) is row parallel: each tp rank runs its call on its slice of the input and "
             f"of {param!r}, and the ranks' results are summed after it, so the call must be linear in "
             f"{param!r}; it {found}. Name a bias `bias` (jaxdist adds a parameter of that name once, after the "
             "sum), apply activations outside the layer, or place the layer otherwise"
         )
-
-
-def _check_reads_bias(module, clone, call, where: str, args: tuple, kwargs: dict) -> None:
-    """Raise if the call fails without its bias but not with it (it reads `self.bias` unguarded)."""
-    if not isinstance(getattr(module, "bias", None), nnx.Variable):
-        return
-    try:
-        jax.eval_shape(lambda: call(clone, *args, **kwargs))
-    except Exception:  # noqa: BLE001 (it fails either way: its own error is the one to see)
-        return
-    raise ValueError(
-        f"TPPlan: {where} ({call.__qualname__.rsplit('.', 1)[0]}) is row parallel, and its call fails where its "
-        "`bias` is None: jaxdist runs the call without the bias on each tp rank's slice and adds the bias once "
-        "after summing the ranks' results; let the call skip it (`if self.bias is not None: ...`)"
-    )
 
 
 def _param_names(module, consts) -> dict[int, str]:
@@ -237,6 +246,49 @@ def _loop(eqn, flags: list[bool], zero) -> tuple[str | None, list[bool]]:
         return "decides a loop by the product", []
     found = _nonlinear_use(body, {v for v, d in zip(body.invars, f, strict=True) if d}, {})
     return found, _dependent_outputs(body, f)  # a body's outputs are the loop's (a while's: its carry)
+
+
+_RANDOM = {"random_bits", "threefry2x32", "rng_uniform", "rng_bit_generator"}  # where random numbers start
+
+
+def _random_meets_weight(jaxpr, flags: list[str]) -> tuple[bool, list[str]]:
+    """(whether an equation applies random numbers to the product, what each output is), given what each
+    input is: "w" the weight (or computed from it alone), "p" the product (the weight combined with
+    something else), "r" random numbers (or computed from them), "" none of these. Random numbers meeting
+    the weight alone (a mask on the weight) or the input (a dropout before the matmul) are not the product's.
+    A loop or cond counts as one equation, which draws if any of its jaxprs does."""
+    kind = {v: f for v, f in zip(jaxpr.invars, flags, strict=True) if f}
+    for eqn in jaxpr.eqns:
+        ins = [kind.get(v, "") if isinstance(v, jex_core.Var) else "" for v in eqn.invars]
+        inner = _inner_jaxpr(eqn)
+        if inner is not None:
+            met, outs = _random_meets_weight(inner, ins)
+        else:
+            draws = eqn.primitive.name in _RANDOM or any(_draws(j) for j in _sub_jaxprs(eqn))
+            other = any(isinstance(v, jex_core.Var) and k != "w" for v, k in zip(eqn.invars, ins, strict=True))
+            product = "p" in ins or ("w" in ins and other)
+            in_loop = next(_sub_jaxprs(eqn), None) is not None  # a loop or cond: the weight may meet its draws inside
+            met = ("p" in ins and (draws or "r" in ins)) or ("w" in ins and draws and in_loop)
+            out = "p" if product else "w" if "w" in ins else "r" if draws or "r" in ins else ""
+            outs = [out] * len(eqn.outvars)
+        if met:
+            return True, []
+        kind.update((o, k) for o, k in zip(eqn.outvars, outs, strict=True) if k)
+    return False, [kind.get(v, "") if isinstance(v, jex_core.Var) else "" for v in jaxpr.outvars]
+
+
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, jex_core.ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, jex_core.Jaxpr):
+                yield item
+
+
+def _draws(jaxpr) -> bool:
+    """Whether `jaxpr` (or one inside it) draws random numbers."""
+    return any(e.primitive.name in _RANDOM or any(_draws(j) for j in _sub_jaxprs(e)) for e in jaxpr.eqns)
 
 
 def _inner_jaxpr(eqn):
