@@ -69,7 +69,7 @@ def architecture(hf: dict) -> str:
             "and point hf: at that"
         )
     if len(names) != 1 or names[0] not in LLAMA_ARCHITECTURES + GEMMA_ARCHITECTURES:
-        supported = ", ".join(LLAMA_ARCHITECTURES + GEMMA_ARCHITECTURES)
+        supported = ", ".join(a for a in LLAMA_ARCHITECTURES + GEMMA_ARCHITECTURES if a != "Gemma2ForCausalLM")
         raise HFConfigError(f"unsupported architecture {names or hf.get('model_type')!r}; jaxdist reads {supported}")
     return names[0]
 
@@ -110,15 +110,14 @@ def _common(hf: dict) -> dict[str, Any]:
 
 
 def _rope(hf: dict) -> tuple[float, dict | None]:
-    """(theta, scaling) of a single-RoPE model, from rope_theta/rope_scaling or rope_parameters."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        return float(params["rope_theta"]), scaling if scaling.get("rope_type", "default") != "default" else None
-    scaling = hf.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+    """(theta, scaling) of a single-RoPE model, as transformers 5 reads them: a legacy `rope_scaling` over
+    `rope_parameters` when both are given, and `rope_theta` from the top level where the dict has none."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    theta = params.get("rope_theta", _get(hf, "rope_theta", 10000.0))
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
-    return float(_get(hf, "rope_theta", 10000.0)), scaling
+    return float(theta), scaling
 
 
 def _llama(hf: dict, arch: str) -> dict[str, Any]:
@@ -137,7 +136,7 @@ def _llama(hf: dict, arch: str) -> dict[str, Any]:
     qkv_bias = arch == "Qwen2ForCausalLM"
     if arch != "Qwen2ForCausalLM":  # Llama's and Qwen3's attention_bias also puts a bias on o_proj
         _require(hf, arch, "attention_bias", (False, None), "no bias on o_proj")
-    window = None
+    window = None  # transformers' Llama has none whatever the config says; Qwen2/3's needs use_sliding_window
     if arch == "MistralForCausalLM":
         window = hf.get("sliding_window")
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
@@ -145,8 +144,6 @@ def _llama(hf: dict, arch: str) -> dict[str, Any]:
     types = set(hf.get("layer_types") or ())
     if types - {"full_attention", "sliding_attention"} or len(types) > 1:
         raise HFConfigError(f"{arch} with layer_types={sorted(types)} is not supported (one attention kind)")
-    if types == {"sliding_attention"}:
-        window = hf.get("sliding_window")
     out.update(
         rope_theta=theta,
         rope_scaling=scaling,
@@ -252,6 +249,14 @@ def _gemma(hf: dict, arch: str) -> dict[str, Any]:
     return out
 
 
+def _llama_rope_scaling(scaling) -> dict | None:
+    """A Llama config's rope_scaling as config.json spells it: with its kind (`rope_frequencies` reads a dict
+    without one as llama3; transformers, as none)."""
+    if not scaling:
+        return None
+    return {"rope_type": scaling.get("rope_type", scaling.get("type", "llama3")), **dict(scaling)}
+
+
 def llama_architecture(cfg) -> str:
     """The transformers class a Llama-style config is: Qwen3 (q/k norms), Qwen2 (q/k/v biases), Mistral
     (a sliding window) or Llama."""
@@ -287,7 +292,7 @@ def write(family: str, cfg, torch_dtype: str) -> dict[str, Any]:
             **common,
             "hidden_act": "silu",
             "rope_theta": float(cfg.rope_theta),
-            "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+            "rope_scaling": _llama_rope_scaling(cfg.rope_scaling),
             "tie_word_embeddings": bool(cfg.tie_embeddings),
             "attention_bias": False,
             "mlp_bias": False,

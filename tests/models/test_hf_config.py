@@ -215,3 +215,44 @@ def test_gemma3_rope_keys_read_as_transformers_merges_them():
 def test_the_multimodal_gemma3_is_refused_naming_its_language_model_as_the_way():
     with pytest.raises(HFConfigError, match="Gemma3ForConditionalGeneration .* save its language model alone"):
         hf_config.read(changed(hf_configs.GEMMA3, architectures=["Gemma3ForConditionalGeneration"]))
+
+
+def test_rope_keys_read_as_transformers_5_merges_them():
+    """transformers 5: `rope_scaling or rope_parameters` (the legacy key wins where both are given), and a
+    rope_parameters without its own rope_theta takes the top-level one. jaxdist read rope_parameters first
+    and dropped its scaling where it had no rope_theta: unscaled RoPE, silently."""
+    llama3 = hf_configs.LLAMA["rope_scaling"]
+    both = copy.deepcopy(hf_configs.LLAMA)
+    both["rope_parameters"] = {"rope_type": "default", "rope_theta": 500.0}
+    assert hf_config.read(both) == hf_config.read(hf_configs.LLAMA)
+    no_theta = changed(hf_configs.LLAMA, rope_scaling=None)
+    no_theta["rope_parameters"] = dict(llama3)
+    assert hf_config.read(no_theta) == hf_config.read(hf_configs.LLAMA)
+
+
+def test_a_llama3_rope_scaling_without_its_kind_is_written_with_it():
+    """The model reads a rope_scaling without rope_type as llama3; config.json must say so, or every reader
+    (transformers, jaxdist) takes it as unscaled."""
+    scaling = {k: v for k, v in hf_configs.LLAMA["rope_scaling"].items() if k not in ("rope_type", "type")}
+    written = hf_config.write("llama", LlamaConfig(rope_scaling=scaling), "float32")
+    assert written["rope_scaling"] == {"rope_type": "llama3", **scaling}
+    assert hf_config.read(written)[1]["rope_scaling"] == {"rope_type": "llama3", **scaling}
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        changed(hf_configs.LLAMA, layer_types=["sliding_attention"] * 2, sliding_window=3),
+        changed(hf_configs.QWEN3, layer_types=["sliding_attention"] * 2, sliding_window=3, use_sliding_window=False),
+    ],
+    ids=["llama", "qwen3"],
+)
+def test_a_window_transformers_does_not_apply_is_not_applied(cfg):
+    # transformers' Llama has no sliding window; Qwen3's config drops it unless use_sliding_window
+    assert hf_config.read(cfg)[1]["sliding_window"] is None
+
+
+def test_the_unsupported_architecture_message_lists_only_what_is_read():
+    with pytest.raises(HFConfigError) as e:
+        hf_config.read(changed(hf_configs.LLAMA, architectures=["GemmaForCausalLM"]))
+    assert "Gemma3ForCausalLM" in str(e.value) and "Gemma2ForCausalLM" not in str(e.value)
