@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import jax
 from flax import nnx
 
 from jaxdist.tp.row_linearity import check_row_layer
@@ -26,6 +27,7 @@ class CallLog:
         self._unit = "the model"
         self._calls: list[tuple[str, tuple, str | None]] = []
         self._checked: set[tuple] = set()
+        self._arguments: dict[tuple, tuple] = {}
 
     @contextlib.contextmanager
     def unit(self, name: str):
@@ -47,6 +49,20 @@ class CallLog:
 
     def record(self, path: tuple, equation: str | None) -> None:
         self._calls.append((self._unit, path, equation))
+
+    def remember_arguments(self, path: tuple, args, kwargs) -> None:
+        """The shapes of a column layer's first call (`check_column_layer` calls it again on them)."""
+        placement = self.plan.placement(path)
+        if placement is None or placement.kind != "column" or path in self._arguments:
+            return
+        self._arguments[path] = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") and hasattr(a, "dtype") else a,
+            (args, kwargs),
+        )
+
+    def arguments(self, path: tuple):
+        """`(args, kwargs)` of the layer's first call as shapes, or None."""
+        return self._arguments.get(path_key(path))
 
     def check_row(self, module, path: tuple, args, kwargs) -> None:
         """Refuse a row layer of the model's own type whose call is not linear in its weight (once a layer)."""
@@ -81,6 +97,7 @@ def _recording_call(self, *args, **kwargs):
     log, path = self._jaxdist_log
     log.record(path, call_equation(self, args, kwargs))
     log.check_row(self, path, args, kwargs)
+    log.remember_arguments(path, args, kwargs)
     return type(self).__mro__[1].__call__(self, *args, **kwargs)
 
 

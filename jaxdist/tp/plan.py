@@ -58,6 +58,7 @@ from collections.abc import Mapping
 from flax import nnx
 
 from jaxdist.tp.call_log import CallLog, path_key
+from jaxdist.tp.column_locality import check_column_layer
 from jaxdist.tp.placement import (  # noqa: F401
     LINEAR,
     Equation,
@@ -148,7 +149,7 @@ class TPPlan:
         must split the same features. Raises on a rule that matches nothing, a module that cannot
         take its placement, a size that does not divide by `size`, or a chain that does not line up.
         """
-        used, layers = set(), {}
+        used, layers, placed = set(), {}, {}
         for path, module in modules:
             if not isinstance(module, nnx.Module):
                 continue
@@ -166,6 +167,7 @@ class TPPlan:
                 continue
             equation = calls.equation(path) if calls is not None else None
             layers[path_key(path)] = _resolve_layer("/".join(map(str, path)), module, placement, size, equation)
+            placed[path_key(path)] = module
         unused = sorted(set(self.layers) - used)
         if unused:
             raise ValueError(f"TPPlan: rules {unused} match no module of the model; check the paths")
@@ -173,6 +175,8 @@ class TPPlan:
         resolved = ResolvedPlan(self, layers)
         if calls is not None:
             resolved.check_chains(calls)
+            for key, layer in layers.items():
+                check_column_layer(layer.path, placed[key], layer, size, self.divided(key), calls.arguments(key))
         return resolved
 
     @classmethod
