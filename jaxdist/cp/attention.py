@@ -203,7 +203,12 @@ def check_model(run_model: Callable, params, batch, cp: int, length: int, who: s
     `batch["positions"]` (it numbers the local tokens itself). The attention calls' own refusals
     (`_attention`) surface here too."""
     with probe_attention(cp, length, who) as probe:
-        jaxpr = jax.make_jaxpr(run_model)(params, batch).jaxpr
+        try:
+            jaxpr = jax.make_jaxpr(run_model)(params, batch).jaxpr
+        except (TypeError, ValueError) as e:
+            if str(e).startswith((who, "TPPlan", "Parallel", "Pipelined")):  # jaxdist's own word on it
+                raise
+            raise _failed_on_a_rank(e, batch, cp, length, who, attended=bool(probe.calls)) from e
     if not probe.calls:
         raise ValueError(
             f"{who}: under context parallelism (cp={cp}) the model never calls jax.nn.dot_product_attention, so its "
@@ -222,3 +227,24 @@ def check_model(run_model: Callable, params, batch, cp: int, length: int, who: s
             f"itself (arange) and would place them wrongly; read positions from batch['{POSITIONS}'] when present"
         )
     return probe
+
+
+def _failed_on_a_rank(e: Exception, batch, cp: int, length: int, who: str, attended: bool) -> ValueError:
+    """The model's own code failing on one cp rank's batch: which arrays cp cut and which it kept whole,
+    and (where no attention ran before) that attention computed by hand cannot run under cp."""
+    cut = sorted(k for k, v in batch.items() if k != POSITIONS and getattr(v, "ndim", 0) > 1 and v.shape[1] != length)
+    whole = sorted(k for k, v in batch.items() if getattr(v, "ndim", 0) > 1 and v.shape[1] == length)
+    hint = (
+        "code mixing a whole array with a cut one (a loss weighting the cut labels by the whole segment_ids) "
+        "must use cut arrays alone: leave the key out of cp_whole, or derive the weights from a cut array"
+        if attended
+        else "no jax.nn.dot_product_attention ran before it: attention computed by hand (for example flax's "
+        "MultiHeadAttention with dropout) cannot see the other ranks' keys; use jax.nn.dot_product_attention"
+    )
+    cause = str(e).splitlines()[0] if str(e) else ""
+    return ValueError(
+        f"{who}: under context parallelism (cp={cp}) the model failed on one rank's batch ({type(e).__name__}: "
+        f"{cause}). cp cuts each batch array whose dimension 1 is the sequence length {length} to this rank's "
+        f"{2 * chunk_len(cp, length)} tokens ({', '.join(cut) or 'none'}) and keeps cp_whole's whole "
+        f"({', '.join(whole) or 'none'}); {hint}"
+    )

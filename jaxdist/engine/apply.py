@@ -139,7 +139,8 @@ class UnitCode:
 
         @model_sharding_dropped()
         def run_model(params, batch):  # the model as on one device, as the plan's trace runs it
-            model = nnx.merge(split.graphdef, params, split.rest)
+            # the variables made anew inside the trace: the model's RNG counts and batch statistics change in it
+            model = nnx.merge(split.graphdef, params, jax.tree.map(lambda v: v, split.rest))
             x = units.embed(model, batch)
             for i in range(1 if units.stacked else split.n_blocks):
                 block = split.first_layer if units.stacked else getattr(model, units.blocks)[i]
@@ -213,9 +214,9 @@ class UnitCode:
         if not units.has_aux:
             return None
         rows = jax.tree.leaves(self.local_batch)[0].shape[0]
-        per_example = self.cfg.batch_spec
-        specs = jax.tree.map(lambda a: per_example if a.ndim and a.shape[0] == rows else P(), aux)
-        if self.cfg.cp > 1 and any(s != P() for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+        per_example = [a for a in jax.tree.leaves(aux) if a.ndim and a.shape[0] == rows]
+        specs = jax.tree.map(lambda a: self.cfg.batch_spec if a.ndim and a.shape[0] == rows else P(), aux)
+        if self.cfg.cp > 1 and per_example:  # (whatever the data axes: with cp alone the batch spec is P())
             raise ValueError(
                 "Parallel: under cp each rank's per-example aux values cover only its tokens; return scalar aux "
                 "values (averaged over the ranks) or leave cp out"

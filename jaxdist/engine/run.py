@@ -129,8 +129,8 @@ class EngineParts:
             model = training_copy(model)  # the step runs train mode; the caller's model is untouched
             nnx.update(model, on_auto_axes(nnx.state(model)))  # a model built inside a user's jax.set_mesh
             split = ModelSplit(model, units, type(cfg).__name__)
-            if cfg.sequence_parallel:
-                _refuse_batch_statistics_in_blocks(split)
+            if cfg.sequence_parallel or cfg.cp > 1:
+                _refuse_batch_statistics(split, cfg.cp > 1)
             placements = split.resolve_plan(cfg, model, batch) if cfg.plan is not None and cfg.tp > 1 else None
             stacked = units.blocks if units.stacked else None
             layout = Layout(cfg, mesh, split.pure, placements, stacked, spec_rule)
@@ -291,14 +291,23 @@ class ParallelRun(PartsRun):
         return self.parts.code.sequence_dim
 
 
-def _refuse_batch_statistics_in_blocks(split: ModelSplit) -> None:
-    """Under sequence parallelism each tp rank runs a block on its chunk of the tokens: a BatchNorm there
-    would normalize by the chunk's statistics, not the data rank's (silently other numbers than one
-    device's), so a block holding batch statistics is refused."""
-    for i, state in enumerate(split.block_states or ()):
+def _refuse_batch_statistics(split: ModelSplit, cp: bool) -> None:
+    """Under sequence parallelism each tp rank runs a block on its chunk of the tokens, under context
+    parallelism each cp rank runs the whole model on its chunks of every sequence: a BatchNorm there would
+    normalize by the chunk's statistics, not the data rank's (silently other numbers than one device's),
+    so such a model is refused."""
+    states = [("block " + str(i), s) for i, s in enumerate(split.block_states or ())]
+    if cp:
+        states.append(("the model outside its blocks", split.outer_state))
+    for where, state in states:
         if any(state.is_batch_stat):
+            how = (
+                "under cp each cp rank would take them over its chunks of the sequences"
+                if cp
+                else "under sequence_parallel each tp rank would take them over its chunk of the tokens"
+            )
+            fix = "leave cp out" if cp else "turn sequence_parallel off"
             raise ValueError(
-                f"Parallel: block {i} holds batch statistics (nnx.BatchStat, e.g. BatchNorm), which under "
-                "sequence_parallel would be taken over each tp rank's chunk of the tokens, not the whole "
-                "batch; turn sequence_parallel off, or normalize per token (LayerNorm, RMSNorm)"
+                f"Parallel: {where} holds batch statistics (nnx.BatchStat, e.g. BatchNorm); {how}, not over the "
+                f"whole batch; {fix}, or normalize per token (LayerNorm, RMSNorm)"
             )

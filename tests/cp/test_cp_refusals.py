@@ -120,3 +120,76 @@ def test_a_mask_of_fewer_dimensions_broadcasts_as_jax_reads_it():
     run = prepare(units, batch)
     _, metrics = run.step(run.state, batch)
     np.testing.assert_allclose([float(metrics["loss"]), float(metrics["grad_norm"])], [losses[0], norms[0]], rtol=1e-5)
+
+
+def test_per_example_aux_values_are_refused_under_cp_alone():
+    """With cp the only data axis the batch spec is P(), so a per-example aux passed as a scalar one: it
+    came back averaged over the cp ranks (a per-example loss sum halved at cp=2)."""
+
+    def head_aux(model, x, batch):
+        logits = model.embedding.attend(model.norm(x))
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+        return ce.mean(), {"per_example": ce.sum(1)}
+
+    units = dataclasses.replace(DECODER_UNITS, head_loss=head_aux, has_aux=True)
+    with pytest.raises(ValueError, match=r"under cp each rank's per-example aux values cover only its tokens"):
+        prepare(units, packed_batch(2, 8, 64, seed=0))
+
+
+def test_a_loss_mixing_the_whole_segment_ids_with_the_cut_labels_is_named():
+    def weighted(model, x, batch):  # packed-data losses weight the labels by the documents
+        logits = model.embedding.attend(model.norm(x))
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+        return jnp.mean(ce * (batch["segment_ids"] != 0))
+
+    units = dataclasses.replace(DECODER_UNITS, head_loss=weighted)
+    with pytest.raises(ValueError, match=r"cuts .*\(labels, tokens\) and keeps cp_whole's whole \(segment_ids\)"):
+        prepare(units, packed_batch(2, 8, 64, seed=0))
+
+
+class WithBatchNorm(nnx.Module):
+    """A block with a BatchNorm: under cp each rank would normalize by its own chunks' statistics."""
+
+    def __init__(self, rngs):
+        self.embedding = nnx.Embed(64, 16, rngs=rngs)
+        self.blocks = nnx.List([nnx.BatchNorm(16, rngs=rngs)])
+
+
+def test_batch_statistics_are_refused_under_cp():
+    def attend(block, x, batch):
+        y = block(x)
+        q = y.reshape(*y.shape[:2], 1, 16)
+        return (
+            jax.nn.dot_product_attention(q, q, q, is_causal=True).reshape(y.shape) + 0 * batch["positions"][..., None]
+        )
+
+    units = Units(embed=lambda m, b: m.embedding(b["tokens"]), head_loss=lambda m, x, b: jnp.mean(x), block_call=attend)
+    with pytest.raises(ValueError, match=r"block 0 holds batch statistics .*under cp each cp rank .*leave cp out"):
+        prepare(units, {"tokens": np.zeros((2, 8), np.int32)}, model=WithBatchNorm(nnx.Rngs(0)))
+
+
+class WithDropout(nnx.Module):
+    def __init__(self, rate: float, rngs):
+        self.embedding = nnx.Embed(64, 16, rngs=rngs)
+        self.blocks = nnx.List([nnx.Dropout(rate, rngs=rngs)])
+
+
+def test_a_model_with_dropout_trains_under_cp():
+    """Its RNG stream failed cp's model check at prepare (flax's TraceContextError)."""
+
+    def attend(block, x, batch):
+        q = block(x).reshape(*x.shape[:2], 1, 16)
+        return (
+            jax.nn.dot_product_attention(q, q, q, is_causal=True).reshape(x.shape) + 0 * batch["positions"][..., None]
+        )
+
+    units = Units(
+        embed=lambda m, b: m.embedding(b["tokens"]), head_loss=lambda m, x, b: jnp.mean(x**2), block_call=attend
+    )
+    batch = {"tokens": np.arange(16, dtype=np.int32).reshape(2, 8)}
+    losses = {}
+    for rate in (0.0, 0.5):
+        run = prepare(units, batch, model=WithDropout(rate, nnx.Rngs(0)))
+        _, metrics = run.step(run.state, batch)
+        losses[rate] = float(metrics["loss"])
+    assert np.isfinite(losses[0.5]) and losses[0.5] != losses[0.0], losses
