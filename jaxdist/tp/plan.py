@@ -175,8 +175,10 @@ class TPPlan:
         resolved = ResolvedPlan(self, layers)
         if calls is not None:
             resolved.check_chains(calls)
+            probed: set = set()
             for key, layer in layers.items():
-                check_column_layer(layer.path, placed[key], layer, size, self.divided(key), calls.arguments(key))
+                module, avals = placed[key], calls.arguments(key)
+                check_column_layer(layer.path, module, layer, size, self.divided(key), avals, probed)
         return resolved
 
     @classmethod

@@ -35,12 +35,11 @@ _SPLITS = {"split", "unstack"}  # several outputs, each linear in the one operan
 
 class WithoutBias:
     """A view of a layer without its bias (a `bias` variable, which the caller adds after the sum), so the
-    layer's own code computes the product alone; with `weight=(name, value)`, that value in place of the
-    named weight. The layer's methods and properties run on the view too (a helper reading `self.bias`)."""
+    layer's own code computes the product alone. The layer's methods and properties run on the view too (a
+    helper reading `self.bias`)."""
 
-    def __init__(self, module, weight: tuple[str, object] | None = None):
+    def __init__(self, module):
         object.__setattr__(self, "_module", module)
-        object.__setattr__(self, "_weight", weight)
 
     def __getattr__(self, name):
         hidden = isinstance(getattr(self._module, "bias", None), nnx.Variable)
@@ -48,8 +47,6 @@ class WithoutBias:
             return None
         if name == "use_bias" and hidden:
             return False
-        if self._weight is not None and name == self._weight[0]:
-            return self._weight[1]
         attr = inspect.getattr_static(type(self._module), name, None)
         if isinstance(attr, property):
             return attr.fget(self)
@@ -77,7 +74,9 @@ def check_row_layer(module, placement, where: str, args: tuple, kwargs: dict, se
         return nnx.merge(graphdef, jax.tree.map(lambda v: v, state))
 
     def product(w):
-        return call(WithoutBias(copy(), (param, nnx.Param(w))), *args, **kwargs)
+        layer = copy()
+        getattr(layer, param).set_value(w)  # the weight's metadata kept (a call may read it)
+        return call(WithoutBias(layer), *args, **kwargs)
 
     try:
         closed = jax.make_jaxpr(product)(weight[...])

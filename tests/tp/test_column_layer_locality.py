@@ -25,6 +25,7 @@ FORMS = {
     "softmax": lambda y: jax.nn.softmax(y, axis=-1),
     "cumsum": lambda y: jnp.cumsum(y, axis=-1),
     "reversed": lambda y: y[..., ::-1],
+    "centred": lambda y: y - jnp.mean(y, axis=-1, keepdims=True),  # small where the inputs' mean is zero
 }
 
 
@@ -98,3 +99,65 @@ def test_a_column_layer_with_a_second_per_feature_parameter_is_refused_naming_it
 def test_a_column_layer_acting_per_output_feature_trains_as_on_one_device():
     want = train_single_device(lambda: Net("per_feature", nnx.Rngs(0)), loss_fn, BATCHES, optax.sgd(0.1))
     assert_same_training(train(prepare("per_feature"), BATCHES), want)
+
+
+class NormedLinear(nnx.Linear):
+    """A flax layer subclass whose own call normalizes over the features super() returns (a slice)."""
+
+    def __call__(self, x):
+        y = super().__call__(x)
+        return y / jnp.linalg.norm(y, axis=-1, keepdims=True)
+
+
+def test_a_flax_linear_subclass_normalizing_its_output_features_is_refused():
+    model = Net("per_feature", nnx.Rngs(0))
+    model.blocks[0].up = NormedLinear(8, 16, rngs=nnx.Rngs(1))
+    with pytest.raises(ValueError, match=r"blocks/0/up \(NormedLinear\) is column parallel: .* computes across"):
+        Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=PLAN).prepare(model, optax.sgd(0.1), UNITS, BATCHES[0])
+
+
+class HeadProjection(nnx.Module):
+    """w [D, heads * head_dim], output [..., heads, head_dim] by a head count the plan divides; its weight
+    read with its metadata; or, `fused`, SwiGLU's gate and up in one weight (column(groups=2)), whose
+    output has half the weight's features."""
+
+    def __init__(self, din: int, heads: int, head_dim: int, fused: bool, rngs: nnx.Rngs):
+        self.heads, self.head_dim, self.fused = heads, head_dim, fused
+        w = jax.random.normal(rngs.params(), (din, heads * head_dim)) / np.sqrt(din)
+        self.w = nnx.Param(w, scale=1.0)
+
+    def __call__(self, x):
+        y = x @ self.w[...] * self.w.get_metadata()["scale"]
+        if self.fused:
+            gate, up = jnp.split(y, 2, axis=-1)
+            return jax.nn.silu(gate) * up
+        return y.reshape(*x.shape[:-1], self.heads, self.head_dim)
+
+
+class HeadsBlock(nnx.Module):
+    def __init__(self, fused: bool, rngs: nnx.Rngs):
+        self.up = HeadProjection(8, 4, 4, fused, rngs)
+        self.down = nnx.Linear(8 if fused else 16, 8, rngs=rngs)
+
+    def __call__(self, x):
+        y = self.up(x)
+        return x + self.down(y if y.ndim == x.ndim else y.reshape(*x.shape[:-1], -1))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["heads", "gate-up"])
+def test_published_column_layer_forms_train_as_on_one_device(fused):
+    """Neither is refused: the split axis is found from the output's shape (the heads axis, not the last),
+    and a fused gate/up's output is a contiguous slice (its groups combined)."""
+
+    def make():
+        model = Net("per_feature", nnx.Rngs(0))
+        model.blocks = nnx.List([HeadsBlock(fused, nnx.Rngs(2))])
+        return model
+
+    plan = tp_plan.TPPlan(
+        {"blocks/*/up": tp_plan.column(groups=2 if fused else 1), "blocks/*/down": tp_plan.row()},
+        divide={} if fused else {"blocks/*/up": ("heads",)},
+    )
+    want = train_single_device(make, loss_fn, BATCHES, optax.sgd(0.1))
+    run = Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=plan).prepare(make(), optax.sgd(0.1), UNITS, BATCHES[0])
+    assert_same_training(train(run, BATCHES), want)

@@ -23,7 +23,7 @@ class Dense(nnx.Module):
 
     def __init__(self, din: int, dout: int, form: str, rngs: nnx.Rngs):
         self.form = form
-        self.w = nnx.Param(jax.random.normal(rngs.params(), (din, dout)) / np.sqrt(din))
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (din, dout)) / np.sqrt(din), scale=1.0)
         name = "b" if form in ("b", "use_bias") else "bias"
         setattr(self, name, nnx.Param(jnp.full((dout,), 0.3)))
         self.gain = nnx.Param(jnp.array(1.3))
@@ -33,7 +33,7 @@ class Dense(nnx.Module):
         return y + self.bias[...] if self.bias is not None else y
 
     def __call__(self, x):
-        y = x @ self.w[...]
+        y = x @ self.w[...] * self.w.get_metadata()["scale"]  # its metadata read: the check keeps it
         if self.form == "b":
             return y + self.b[...]
         if self.form == "gelu":
