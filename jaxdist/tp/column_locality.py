@@ -74,6 +74,8 @@ def check_column_layer(
             try:
                 got = call(piece, *inputs[0], **inputs[1])
             except Exception as e:  # noqa: BLE001 (it runs whole: what fails is the pieces, as in the real run)
+                if isinstance(module, tuple(_FLAX_CALLS)):  # a flax layer subclass: the binding names its cause
+                    return
                 raise ValueError(
                     f"TPPlan: {where} ({type(module).__qualname__}) is column parallel, and its call fails on a tp "
                     f"rank's pieces ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): jaxdist "
