@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import sys
@@ -9,6 +10,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxdist.train.checkpoint import Checkpoints
@@ -86,13 +88,18 @@ class StopRequests:
     where it saves: an interrupt then never lands inside a checkpoint save. A second one interrupts
     at once. In a multi-process run a process that cannot reach the boundary (blocked in a collective
     for a peer that is gone) ends itself after a grace period (`StopDeadline`); a single process has no
-    peer to wait for (a step that hangs there is `run.step_timeout_s`'s)."""
+    peer to wait for (a step that hangs there is `run.step_timeout_s`'s).
+
+    The processes of a run stop at one boundary (`StopVotes`): a signal reaches them at different moments
+    (a scheduler's SIGTERM to each node, one process's Ctrl-C), and each stopping at its own step left
+    both waiting for the other's collectives until the grace period killed them, the save lost."""
 
     def __init__(self):
         self.requested = False
         self.previous = {}
         self.deadline = None
         self.last_check = None
+        self.votes = StopVotes() if in_multi_process_run() else None
         if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.previous[sig] = signal.signal(sig, self._handle)
@@ -112,9 +119,13 @@ class StopRequests:
         if self.deadline is not None and self.last_check is not None:
             self.deadline.allow(now - self.last_check)
         self.last_check = now
-        if self.requested:
+        if self.votes is not None:
+            self.votes.cast(self.requested)
+        if self.requested if self.votes is None else self.votes.decided():
             if self.deadline is not None:  # at the boundary (the host's: the device may lag): the save's turn
                 self.deadline.restart()
+            if self.votes is not None and not self.requested:
+                print("\njaxdist: another process is stopping; stopping with it", file=sys.stderr, flush=True)
             raise KeyboardInterrupt
 
     def close(self) -> None:
@@ -122,6 +133,38 @@ class StopRequests:
             self.deadline.close()
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+class StopVotes:
+    """Whether any process of the run was asked to stop, decided alike on every process: at each boundary
+    each casts its own answer into an all-reduce over every device, dispatched behind the step (no wait),
+    and reads the result cast `LAG` boundaries before. The reductions run in the same order on every
+    process, so all read the same answers at the same boundary and stop there; a host never waits for a
+    word its peers could only give after a step it holds up (a wait in the key-value store deadlocked
+    against a peer's host waiting on that step's results)."""
+
+    LAG = 2  # boundaries between a vote and its reading: the device has long finished the small reduction
+
+    def __init__(self):
+        devices = jax.devices()
+        mesh = jax.sharding.Mesh(np.array(devices), ("all",))
+        self.sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("all"))
+        self.shape = (len(devices),)
+        self.local = [d for d in devices if d.process_index == jax.process_index()]
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        self.reduce = jax.jit(lambda x: jnp.max(x), out_shardings=replicated)
+        self.cast_votes: collections.deque = collections.deque()
+
+    def cast(self, stop: bool) -> None:
+        local = [jax.device_put(np.array([int(stop)], np.int32), d) for d in self.local]
+        votes = jax.make_array_from_single_device_arrays(self.shape, self.sharding, local)
+        self.cast_votes.append(self.reduce(votes))
+
+    def decided(self) -> bool:
+        """Whether the vote of `LAG` boundaries ago says stop (False until there is one)."""
+        if len(self.cast_votes) <= self.LAG:
+            return False
+        return bool(host_value(self.cast_votes.popleft()))
 
 
 def _with_peers() -> bool:

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.models import families
 from jaxdist.models.families import FAMILIES
 from jaxdist.models.gpt import next_token_batch
-from jaxdist.train import hf_init, hooks, memory, run_dir
+from jaxdist.train import hf_init, hooks, memory, peers, run_dir
 from jaxdist.train import schedule as schedule_lib
 from jaxdist.train.checkpoint import CheckpointError, Checkpoints
 from jaxdist.train.config import ConfigError, TrainConfig, validate
@@ -140,9 +140,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> list[float]:
     would), saving a checkpoint: used to test resuming.
     """
     validate(cfg)
+    init_distributed()
+    peers.check_same_config(cfg.to_dict())  # (as given: relative paths may resolve otherwise on each node)
     hf_init.make_absolute(cfg)
     hf_init.use_tokenizer(cfg)  # run.init_from=hf:DIR: its tokenizer.json tokenizes text data
-    init_distributed()
     devices = jax.devices()
     check_backend(cfg, devices)
     mesh = make_mesh(cfg, devices)

@@ -8,20 +8,16 @@ The processes are wired by hand, as SLURM or a script would (`jaxdist launch` wo
 soon as process 0 exits, hiding the hang)."""
 
 import os
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from support.processes import DEADLINE_S, REPO, two_processes
 from support.trainer_runs import BASE as TRAIN_BASE
 from support.trainer_runs import rows, tiny_run_config, truncate_checkpoint
 
 from jaxdist.train.trainer import train
-
-REPO = Path(__file__).resolve().parents[2]
-DEADLINE_S = 120  # two processes start in ~10 s on a loaded CPU; the hang this guards against took 300 s
 
 DRIVER = """
 import jax
@@ -58,30 +54,6 @@ end_after_error(2)
 """
 
 
-def two_processes(cmd: list[str], tmp_path: Path) -> list[subprocess.CompletedProcess]:
-    """`cmd` as processes 0 and 1 of one jax.distributed job on 1 CPU device each, both waited for."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-        env.update(JAXDIST_COORDINATOR=f"127.0.0.1:{port}", JAXDIST_NUM_PROCESSES="2", JAXDIST_PROCESS_ID=str(rank))
-        log = open(tmp_path / f"log{rank}.txt", "w+")  # noqa: SIM115 (read back below)
-        procs.append((subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True), log))
-    done = []
-    try:
-        for proc, log in procs:
-            proc.wait(timeout=DEADLINE_S)
-            log.seek(0)
-            done.append(subprocess.CompletedProcess(cmd, proc.returncode, log.read()))
-    finally:
-        for proc, log in procs:
-            proc.kill()
-            log.close()
-    return done
-
-
 def test_every_process_learns_the_result_or_process_0s_error(tmp_path):
     zero, one = two_processes([sys.executable, "-c", DRIVER], tmp_path)
     assert zero.returncode == 0 and one.returncode == 0, zero.stdout + one.stdout
@@ -106,20 +78,19 @@ def test_an_error_on_one_rank_alone_ends_the_launch_at_once_naming_that_rank(tmp
     """A data path missing on one node: rank 1 stopped on its one-line error but then waited in jax's
     shutdown barrier for 5 minutes (rank 0 blocked in a collective for it), both aborted, and the launcher
     blamed rank 0 (SIGABRT, status 134). Now rank 1 ends at once and is the rank named."""
-    text = tmp_path / "text.txt"
-    text.write_text("hello world " * 500)
+    for node in ("node0", "node1"):  # each process's working directory: a node's own disk
+        (tmp_path / node).mkdir()
+    (tmp_path / "node0" / "text.txt").write_text("hello world " * 500)  # the same config: node 1 lacks the file
     train = f"{sys.executable} -m jaxdist.train.cli train model.flavor=tiny data.source=text run.steps=2"
-    train += f" run.progress=false run.out_dir={tmp_path / 'run'}"
-    per_rank = (
-        f'if [ "$JAXDIST_PROCESS_ID" = 1 ]; then P=/nonexistent.txt; else P={text}; fi; exec {train} data.path=$P'
-    )
+    train += f" run.progress=false run.out_dir={tmp_path / 'run'} data.path=text.txt"
+    per_rank = f"cd {tmp_path}/node$JAXDIST_PROCESS_ID && PYTHONPATH={REPO} exec {train}"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     cmd = [sys.executable, "-m", "jaxdist.train.cli", "launch", "-n", "2", "--cpu-devices", "2", "--"]
     done = subprocess.run(
         [*cmd, "bash", "-c", per_rank], env=env, cwd=REPO, capture_output=True, text=True, timeout=DEADLINE_S
     )
     assert done.returncode == 2, done.stderr[-3000:]
-    assert "[rank 1] jaxdist train: error: data file /nonexistent.txt does not exist" in done.stderr
+    assert "[rank 1] jaxdist train: error: data file text.txt does not exist" in done.stderr
     assert "jaxdist launch: rank 1 exited with status 2" in done.stderr
 
 
