@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -226,6 +227,10 @@ class Checkpoints:
                 item = {"arrays": ArraysSave(state, chunk_bytes=checksums.CHUNK_BYTES)}
             args = ocp.args.Composite(**item, meta=ocp.args.JsonSave(meta))
             if not in_background:
+                # orbax's process 0 creates the step's directory while the others wait for word of it in the
+                # key-value store, for 5 minutes, silent, if the creation fails (a read-only or inode-less
+                # disk): tried first here, where a failure is every process's error at once
+                on_process_zero(self._try_creating_a_directory, "creating the checkpoint's directory")
                 self.manager.save(step, args=args, force=True)
         except Exception as e:
             self._failed(e)
@@ -238,6 +243,9 @@ class Checkpoints:
             target=self._finish, args=(step, args if in_background else None), name="jaxdist-checkpoint"
         )
         self._finishing.start()
+
+    def _try_creating_a_directory(self) -> None:
+        Path(tempfile.mkdtemp(prefix=".jaxdist-write-check-", dir=self.directory)).rmdir()
 
     def _finish(self, step: int, args) -> None:
         """In the background: (start orbax's save of `args`, then) wait for orbax's writes of `step`, then
