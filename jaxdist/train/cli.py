@@ -49,12 +49,28 @@ def _train(args) -> int:
         return 1  # every process saw the same loss: they all reach jax's shutdown together
     except KeyboardInterrupt:
         return 130
-    except Exception:
+    except Exception as e:
         if not in_multi_process_run():
             raise
-        traceback.print_exc()
+        if _peer_gone(e):  # the process whose error ended the run says why; this one only lost it
+            line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            print(
+                "jaxdist train: error: a collective with another process failed (that process ended or lost its "
+                f"connection; its own output says why): {line}",
+                file=sys.stderr,
+            )
+        else:
+            traceback.print_exc()
         return end_after_error(1)
     return 0
+
+
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Gloo", "remote process exited")
+
+
+def _peer_gone(e: Exception) -> bool:
+    """Whether `e` is a collective broken by a peer process's end (gloo's, NCCL's words for it)."""
+    return type(e).__name__ == "JaxRuntimeError" and any(word in str(e) for word in _PEER_GONE)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -92,6 +92,7 @@ def test_an_error_on_one_rank_alone_ends_the_launch_at_once_naming_that_rank(tmp
     assert done.returncode == 2, done.stderr[-3000:]
     assert "[rank 1] jaxdist train: error: data file text.txt does not exist" in done.stderr
     assert "jaxdist launch: rank 1 exited with status 2" in done.stderr
+    assert "[rank 0] Traceback" not in done.stderr, done.stderr[-3000:]  # (a broken collective: one line)
 
 
 def test_an_error_every_process_raises_is_printed_by_each_before_any_ends(tmp_path):
