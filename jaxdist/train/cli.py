@@ -56,7 +56,7 @@ def _train(args) -> int:
             line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
             print(
                 "jaxdist train: error: a collective with another process failed (that process ended or lost its "
-                f"connection; its own output says why): {line}",
+                f"connection; its own output may say why): {line}",
                 file=sys.stderr,
             )
         else:
@@ -65,7 +65,7 @@ def _train(args) -> int:
     return 0
 
 
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Gloo", "remote process exited")
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote process exited")
 
 
 def _peer_gone(e: Exception) -> bool:

@@ -110,7 +110,13 @@ class StopRequests:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("\njaxdist: stopping after this step (again to stop at once)", file=sys.stderr, flush=True)
+        when = "after this step" if self.votes is None else "in a few steps, at a step all processes agree on"
+        print(f"\njaxdist: stopping {when} (again to stop at once)", file=sys.stderr, flush=True)
+
+    def at_end(self) -> None:
+        """The loop ended on its own: a stop asked for meanwhile gets the grace period again for the last save."""
+        if self.requested and self.deadline is not None:
+            self.deadline.restart()
 
     def check(self) -> None:
         """At a step boundary: stop here if asked to. The time since the previous boundary (a step, with its
@@ -121,9 +127,9 @@ class StopRequests:
         self.last_check = now
         if self.votes is not None:
             self.votes.cast(self.requested)
+        if self.requested and self.deadline is not None:  # a boundary reached: not stuck (the vote's steps, the
+            self.deadline.restart()  # save's turn: the host's boundary, the device may lag)
         if self.requested if self.votes is None else self.votes.decided():
-            if self.deadline is not None:  # at the boundary (the host's: the device may lag): the save's turn
-                self.deadline.restart()
             if self.votes is not None and not self.requested:
                 print("\njaxdist: another process is stopping; stopping with it", file=sys.stderr, flush=True)
             raise KeyboardInterrupt
@@ -148,17 +154,20 @@ class StopVotes:
     def __init__(self):
         devices = jax.devices()
         mesh = jax.sharding.Mesh(np.array(devices), ("all",))
-        self.sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("all"))
-        self.shape = (len(devices),)
-        self.local = [d for d in devices if d.process_index == jax.process_index()]
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("all"))
+        local = [d for d in devices if d.process_index == jax.process_index()]
+
+        def ballot(stop: int):  # this process's vote on each of its devices, made once
+            pieces = [jax.device_put(np.array([stop], np.int32), d) for d in local]
+            return jax.make_array_from_single_device_arrays((len(devices),), sharding, pieces)
+
+        self.ballots = (ballot(0), ballot(1))
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.reduce = jax.jit(lambda x: jnp.max(x), out_shardings=replicated)
         self.cast_votes: collections.deque = collections.deque()
 
     def cast(self, stop: bool) -> None:
-        local = [jax.device_put(np.array([int(stop)], np.int32), d) for d in self.local]
-        votes = jax.make_array_from_single_device_arrays(self.shape, self.sharding, local)
-        self.cast_votes.append(self.reduce(votes))
+        self.cast_votes.append(self.reduce(self.ballots[int(stop)]))  # a dispatch: no transfer, no wait
 
     def decided(self) -> bool:
         """Whether the vote of `LAG` boundaries ago says stop (False until there is one)."""

@@ -18,17 +18,6 @@ def store():
     return getattr(distributed.global_state, "client", None) if jax.process_count() > 1 else None
 
 
-def entries(prefix: str) -> dict[str, str]:
-    """What the processes have set under `prefix`, by the key's last part; empty without a store."""
-    client = store()
-    if client is None:
-        return {}
-    try:
-        return {k.rsplit("/", 1)[-1]: v for k, v in client.key_value_dir_get(prefix)}
-    except Exception:  # noqa: BLE001 (the store is gone with the run)
-        return {}
-
-
 def say(key: str, value: str) -> None:
     """Set `key` (once: a key set already keeps its first value)."""
     client = store()
@@ -55,6 +44,10 @@ def each_process(prefix: str, timeout_s: float) -> dict[int, str] | None:
     return out
 
 
+PER_PROCESS_KEYS = {"run.progress"}  # what each process may set its own way (a progress bar on one node)
+_checks = 0
+
+
 class ConfigMismatch(ConfigError):
     """Processes of one run started with different configs."""
 
@@ -66,9 +59,11 @@ def check_same_config(config: dict, timeout_s: float = 120.0) -> None:
     the run's own deadlines."""
     if store() is None:
         return
-    mine = _flat(config)
-    say(f"jaxdist/config/{jax.process_index()}", json.dumps(mine, sort_keys=True, default=str))
-    theirs = each_process("jaxdist/config/", timeout_s)
+    global _checks
+    _checks += 1  # keys of their own for each run in these processes (a set key keeps its first value)
+    mine = {k: v for k, v in _flat(config).items() if k not in PER_PROCESS_KEYS}
+    say(f"jaxdist/config/{_checks}/{jax.process_index()}", json.dumps(mine, sort_keys=True, default=str))
+    theirs = each_process(f"jaxdist/config/{_checks}/", timeout_s)
     if theirs is None:
         return
     for p, text in sorted(theirs.items()):

@@ -367,6 +367,7 @@ def _train(
                 refreeze["due"] = False
                 heap.freeze()
             stop.check()
+        stop.at_end()
         save(end, in_loop=False)
         summary.print(out_dir, ckpt, held["run"])
         if cfg.run.sample_tokens > 0 and end > start:
