@@ -13,11 +13,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from support.meshes import cpu_mesh
+from support.one_block_tp import BATCHES, loss_fn, mlp_net
+from support.one_block_tp import prepare as prepare_on_dp4_tp2
 from support.reference import assert_same_training, train_single_device
 from support.runs import train
 
-from jaxdist.engine.run import Parallel, Units
 from jaxdist.tp import plan as tp_plan
 
 FORMS = {
@@ -47,42 +47,12 @@ class Dense(nnx.Module):
         return jax.nn.gelu(y)  # per feature: each rank's features whole
 
 
-class Block(nnx.Module):
-    def __init__(self, form: str, rngs: nnx.Rngs):
-        self.up = Dense(8, 16, form, rngs)
-        self.down = nnx.Linear(16, 8, rngs=rngs)
-
-    def __call__(self, x):
-        return x + self.down(jnp.tanh(self.up(x)))
-
-
-class Net(nnx.Module):
-    def __init__(self, form: str, rngs: nnx.Rngs):
-        self.inp = nnx.Linear(6, 8, rngs=rngs)
-        self.blocks = nnx.List([Block(form, rngs)])
-        self.out = nnx.Linear(8, 4, rngs=rngs)
-
-
-def head_loss(model, h, batch):
-    return jnp.mean((model.out(h) - batch["y"]) ** 2)
-
-
-def loss_fn(model, batch):
-    h = model.inp(batch["x"])
-    for block in model.blocks:
-        h = block(h)
-    return head_loss(model, h, batch)
-
-
-UNITS = Units(embed=lambda m, b: m.inp(b["x"]), head_loss=head_loss)
-PLAN = tp_plan.TPPlan({"blocks/*/up": tp_plan.column(), "blocks/*/down": tp_plan.row()})
-RNG = np.random.default_rng(0)
-BATCHES = [{"x": RNG.normal(size=(8, 6)).astype(np.float32), "y": RNG.normal(size=(8, 4)).astype(np.float32)}] * 2
+def Net(form: str, rngs: nnx.Rngs):
+    return mlp_net(lambda r: Dense(8, 16, form, r), lambda r: nnx.Linear(16, 8, rngs=r), rngs)
 
 
 def prepare(form: str):
-    mesh = cpu_mesh((4, 2), ("dp", "tp"))
-    return Parallel(mesh, plan=PLAN).prepare(Net(form, nnx.Rngs(0)), optax.sgd(0.1), UNITS, BATCHES[0])
+    return prepare_on_dp4_tp2(Net(form, nnx.Rngs(0)))
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
@@ -113,7 +83,7 @@ def test_a_flax_linear_subclass_normalizing_its_output_features_is_refused():
     model = Net("per_feature", nnx.Rngs(0))
     model.blocks[0].up = NormedLinear(8, 16, rngs=nnx.Rngs(1))
     with pytest.raises(ValueError, match=r"blocks/0/up \(NormedLinear\) is column parallel: .* computes across"):
-        Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=PLAN).prepare(model, optax.sgd(0.1), UNITS, BATCHES[0])
+        prepare_on_dp4_tp2(model)
 
 
 class HeadProjection(nnx.Module):
@@ -159,5 +129,4 @@ def test_published_column_layer_forms_train_as_on_one_device(fused):
         divide={} if fused else {"blocks/*/up": ("heads",)},
     )
     want = train_single_device(make, loss_fn, BATCHES, optax.sgd(0.1))
-    run = Parallel(cpu_mesh((4, 2), ("dp", "tp")), plan=plan).prepare(make(), optax.sgd(0.1), UNITS, BATCHES[0])
-    assert_same_training(train(run, BATCHES), want)
+    assert_same_training(train(prepare_on_dp4_tp2(make(), plan), BATCHES), want)

@@ -10,12 +10,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from support.meshes import cpu_mesh
+from support.one_block_tp import BATCHES, loss_fn, mlp_net
+from support.one_block_tp import prepare as prepare_on_dp4_tp2
 from support.reference import assert_same_training, train_single_device
 from support.runs import train
-
-from jaxdist.engine.run import Parallel, Units
-from jaxdist.tp import plan as tp_plan
 
 
 class Dense(nnx.Module):
@@ -48,42 +46,12 @@ class Dense(nnx.Module):
         return self._with_bias(jnp.where(kept, y, 0.0) * self.gain[...])
 
 
-class Net(nnx.Module):
-    def __init__(self, form: str, rngs: nnx.Rngs):
-        self.inp = nnx.Linear(6, 8, rngs=rngs)
-        self.blocks = nnx.List([Block(form, rngs)])
-        self.out = nnx.Linear(8, 4, rngs=rngs)
-
-
-class Block(nnx.Module):
-    def __init__(self, form: str, rngs: nnx.Rngs):
-        self.up = nnx.Linear(8, 16, rngs=rngs)
-        self.down = Dense(16, 8, form, rngs)
-
-    def __call__(self, x):
-        return x + self.down(jnp.tanh(self.up(x)))
-
-
-def head_loss(model, h, batch):
-    return jnp.mean((model.out(h) - batch["y"]) ** 2)
-
-
-def loss_fn(model, batch):
-    h = model.inp(batch["x"])
-    for block in model.blocks:
-        h = block(h)
-    return head_loss(model, h, batch)
-
-
-UNITS = Units(embed=lambda m, b: m.inp(b["x"]), head_loss=head_loss)
-PLAN = tp_plan.TPPlan({"blocks/*/up": tp_plan.column(), "blocks/*/down": tp_plan.row()})
-RNG = np.random.default_rng(0)
-BATCHES = [{"x": RNG.normal(size=(8, 6)).astype(np.float32), "y": RNG.normal(size=(8, 4)).astype(np.float32)}] * 2
+def Net(form: str, rngs: nnx.Rngs):
+    return mlp_net(lambda r: nnx.Linear(8, 16, rngs=r), lambda r: Dense(16, 8, form, r), rngs)
 
 
 def prepare(form: str):
-    mesh = cpu_mesh((4, 2), ("dp", "tp"))
-    return Parallel(mesh, plan=PLAN).prepare(Net(form, nnx.Rngs(0)), optax.sgd(0.1), UNITS, BATCHES[0])
+    return prepare_on_dp4_tp2(Net(form, nnx.Rngs(0)))
 
 
 @pytest.mark.parametrize(
