@@ -56,6 +56,7 @@ from jaxdist.train.arrays_handler import ArraysHandler, ArraysRestore, ArraysSav
 from jaxdist.train.config import ConfigError
 from jaxdist.train.host_copy import start_host_copy, wait_for_host_copy
 from jaxdist.train.orbax_logs import DropOrbaxLogs
+from jaxdist.train.peers import tell_peers
 from jaxdist.train.process_zero import ProcessZeroError, on_process_zero
 from jaxdist.train.report import disk_full, first_line, warn, write_problem
 
@@ -91,25 +92,6 @@ def _type_handlers():
     standard = (int, float, bytes, np.number, np.ndarray, str, type(ocp.PLACEHOLDER))
     handlers = [(jax.Array, arrays)] + [(ty, ocp.type_handlers.get_type_handler(ty)) for ty in standard]
     return ocp.type_handlers.create_type_handler_registry(*handlers)
-
-
-def _tell_peers(directory: str, key: str, value: str) -> dict[str, str]:
-    """Set `directory + key` to `value` in jax's key-value store and return what other processes have set
-    there (by key); empty without a store (one process) or when it cannot be reached."""
-    from jax._src import distributed
-
-    client = getattr(distributed.global_state, "client", None)
-    if client is None:
-        return {}
-    try:
-        client.key_value_set(directory + key, value)
-    except Exception:  # noqa: BLE001, S110 (set already, or the store is gone: the peers' word is still read)
-        pass
-    try:
-        found = {k.rsplit("/", 1)[-1]: v for k, v in client.key_value_dir_get(directory)}
-    except Exception:  # noqa: BLE001 (the store is gone with the run: the process's own error is said)
-        return {}
-    return {k: v for k, v in found.items() if k != key}
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -381,7 +363,7 @@ class Checkpoints:
         collective it waited in broke) names that peer and its error, which the peer left in jax's
         key-value store before it ended."""
         where, rank, said = self.directory / str(step), jax.process_index(), first_line(e)
-        peers = _tell_peers(f"jaxdist/read_failed/{step}/", str(rank), said)
+        peers = tell_peers(f"jaxdist/read_failed/{step}/", str(rank), said)
         keep = (
             "its files matched their checksums on process 0, so it is left in place: check this host's view of "
             f"the directory and resume, or move {where} away to resume from the checkpoint before it"

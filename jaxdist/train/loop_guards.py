@@ -129,7 +129,8 @@ class StopRequests:
             self.votes.cast(self.requested)
         if self.requested and self.deadline is not None:  # a boundary reached: not stuck (the vote's steps, the
             self.deadline.restart()  # save's turn: the host's boundary, the device may lag)
-        if self.requested if self.votes is None else self.votes.decided():
+        stop = self.requested if self.votes is None else self.votes.decided()  # (in step with the other processes)
+        if stop:
             if self.votes is not None and not self.requested:
                 print("\njaxdist: another process is stopping; stopping with it", file=sys.stderr, flush=True)
             raise KeyboardInterrupt

@@ -25,8 +25,22 @@ def say(key: str, value: str) -> None:
         return
     try:
         client.key_value_set(key, value)
-    except Exception:  # noqa: BLE001, S110 (set already)
+    except Exception:  # noqa: BLE001, S110 (set already, or the store is gone: the peers' word is still read)
         pass
+
+
+def tell_peers(directory: str, key: str, value: str) -> dict[str, str]:
+    """Set `directory + key` to `value` and return what the other processes have set under `directory`
+    (by key, without waiting); empty in one process or when the store cannot be reached."""
+    say(directory + key, value)
+    client = store()
+    if client is None:
+        return {}
+    try:
+        found = {k.rsplit("/", 1)[-1]: v for k, v in client.key_value_dir_get(directory)}
+    except Exception:  # noqa: BLE001 (the store is gone with the run: the process's own error is said)
+        return {}
+    return {k: v for k, v in found.items() if k != key}
 
 
 def each_process(prefix: str, timeout_s: float) -> dict[int, str] | None:
